@@ -1,0 +1,1 @@
+"""Agent environments: tool managers (chat formats, tool-call parsers), tools, Ray tool pool, agent loop, storage."""

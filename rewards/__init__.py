@@ -1,0 +1,1 @@
+"""Rewards: scorers, reward managers, custom reward functions, Ray reward pool."""

@@ -1,0 +1,1 @@
+"""Command-line entry points (rlf-train, rlf-convert, rlf-bench, rlf-cache)."""
