@@ -1,0 +1,14 @@
+"""Benchmarks behind `rlf-bench NAME`: one module per benchmark, each with `main(argv) -> int`.
+
+Every benchmark reports ratios against a baseline measured in the same process.
+"""
+
+BENCHMARKS = {
+    "actor": "Megatron actor forward+backward vs plain transformers",
+    "weight-sync": "Megatron -> vLLM bucketed weight sync vs memcpy and disk reload",
+    "tools": "Ray tool pool throughput vs ideal concurrency / latency",
+    "rewards": "Ray reward pool vs in-process scoring, and overlap with compute",
+    "cache": "HDF5 rollout cache write/read MB/s and lookup latency vs raw disk",
+    "logprob": "fused vocab-parallel log-prob/entropy vs naive log_softmax",
+    "e2e": "end-to-end GRPO step phases and tokens/s vs TRL",
+}
