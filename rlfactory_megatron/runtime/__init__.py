@@ -1,0 +1,1 @@
+"""Process start-up: launcher environments, process groups, megatron parallel state, CPU adaptation."""

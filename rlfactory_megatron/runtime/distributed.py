@@ -1,0 +1,113 @@
+"""One entry to start a rank: process group (NCCL on GPU, gloo on CPU), megatron parallel state, seeds.
+
+Also `spawn_local_workers`, which starts N local ranks itself (CPU, gloo) for commands
+run outside a launcher (`rlf-convert`, tests).
+"""
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from rlfactory_megatron.runtime.cpu_compat import cuda_available, enable_cpu_compat
+from rlfactory_megatron.runtime.launch_env import LaunchEnv, detect_launch_env, free_port
+
+
+@dataclass(frozen=True)
+class ParallelSizes:
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None  # virtual pipeline stages per rank (interleaved schedule)
+
+    def dp(self, world_size: int) -> int:
+        return world_size // (self.tp * self.pp)
+
+
+def init_distributed(
+    sizes: ParallelSizes,
+    seed: int = 1234,
+    launch: LaunchEnv | None = None,
+    timeout_s: int = 1800,
+) -> LaunchEnv:
+    """Initialize torch.distributed and megatron-core model parallelism for (tp, pp, dp)."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    launch = launch or detect_launch_env()
+    world = launch.world_size
+    if world % (sizes.tp * sizes.pp) != 0:
+        raise ValueError(
+            f"world size {world} is not divisible by parallel.tp*parallel.pp = {sizes.tp}*{sizes.pp}; "
+            "change parallel.tp/parallel.pp or the number of processes"
+        )
+    on_gpu = cuda_available()
+    if on_gpu:
+        torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
+    else:
+        enable_cpu_compat()
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend="nccl" if on_gpu else "gloo",
+            init_method=f"tcp://{launch.master_addr}:{launch.master_port or free_port()}",
+            rank=launch.rank,
+            world_size=world,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=sizes.tp,
+            pipeline_model_parallel_size=sizes.pp,
+            virtual_pipeline_model_parallel_size=sizes.vpp,
+        )
+    seed_everything(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return launch
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def destroy_distributed() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _worker_entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, results) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    results[rank] = fn(*args)
+
+
+def spawn_local_workers(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+    """Run `fn(*args)` in `world_size` fresh local processes with torchrun-style env; returns per-rank results.
+
+    For commands started outside a launcher on a single host. `fn` must be importable (module level).
+    """
+    import torch.multiprocessing as mp
+
+    port = free_port()
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.start_processes(
+            _worker_entry,
+            args=(world_size, port, fn, args, results),
+            nprocs=world_size,
+            join=True,
+            start_method="spawn",
+        )
+        return [results[r] for r in range(world_size)]

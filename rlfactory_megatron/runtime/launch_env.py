@@ -1,0 +1,59 @@
+"""Who am I in the job: rank, world size, local rank and rendezvous address from torchrun, srun or MPI."""
+from __future__ import annotations
+
+import os
+import re
+import socket
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    launcher: str  # "torchrun" | "slurm" | "mpi" | "single"
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+
+# Order matters: torchrun inside an sbatch job also sees SLURM_* variables, and
+# srun --mpi=pmix sets both SLURM_* and PMIX_*; the most specific launcher wins.
+_LAUNCHERS: tuple[tuple[str, str, str, str], ...] = (
+    # (name, rank var, world var, local-rank var)
+    ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK"),
+    ("mpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    ("mpi", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+    ("mpi", "PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK"),
+    ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+)
+
+
+def _first_slurm_host(env) -> str | None:
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+    if not nodelist:
+        return None
+    # "gpu[12-13,20],cpu1" -> "gpu12"; the sbatch templates export MASTER_ADDR, this is the fallback.
+    match = re.match(r"([^\[,]+)(?:\[(\d+))?", nodelist)
+    return match.group(1) + (match.group(2) or "")
+
+
+def detect_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
+    """Read the launcher's environment; a process started by hand is rank 0 of 1."""
+    env = os.environ if environ is None else environ
+    for name, rank_var, world_var, local_var in _LAUNCHERS:
+        if rank_var in env and world_var in env:
+            rank, world = int(env[rank_var]), int(env[world_var])
+            local = int(env.get(local_var, env.get("LOCAL_RANK", rank)))
+            if name == "slurm" and world == 1 and "SLURM_STEP_ID" not in env:
+                break  # inside an sbatch allocation but not in an srun step: a plain process
+            addr = env.get("MASTER_ADDR") or (_first_slurm_host(env) if name == "slurm" else None) or "127.0.0.1"
+            port = int(env.get("MASTER_PORT", 29500))
+            return LaunchEnv(name, rank, world, local, addr, port)
+    return LaunchEnv("single", 0, 1, 0, env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 0) or 0))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
