@@ -1,0 +1,1 @@
+"""Megatron-Core models built from HF configs, HF <-> Megatron conversion and checkpoints."""

@@ -1,0 +1,142 @@
+"""Hugging Face `config.json` -> what megatron needs to build the same decoder (Llama 3, Qwen2/2.5, Qwen3)."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ArchFeatures:
+    """What distinguishes one supported decoder family from another."""
+
+    qkv_bias: bool
+    qk_norm: bool
+
+
+# One entry per supported HF `model_type`; everything else about the layer is shared
+# (pre-norm RMSNorm, GQA attention with RoPE, SwiGLU MLP, no other biases).
+SUPPORTED_ARCHITECTURES: dict[str, ArchFeatures] = {
+    "llama": ArchFeatures(qkv_bias=False, qk_norm=False),
+    "qwen2": ArchFeatures(qkv_bias=True, qk_norm=False),
+    "qwen3": ArchFeatures(qkv_bias=False, qk_norm=True),
+}
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """A decoder's shape, read from a HF config. All sizes are the unpadded HF ones."""
+
+    model_type: str
+    features: ArchFeatures
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    tie_word_embeddings: bool
+    torch_dtype: str
+    hf_config: dict[str, Any] = field(repr=False, compare=False, hash=False, default_factory=dict)
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def padded_vocab_size(self, tp: int, divisible_by: int = 128) -> int:
+        """Megatron's vocab-parallel layers need the vocab split evenly across TP ranks."""
+        multiple = divisible_by * tp
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+
+class UnsupportedCheckpointError(ValueError):
+    """The HF checkpoint is of an architecture or shape this project cannot convert."""
+
+
+def _rope_params(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    # transformers 5 moved theta and scaling into `rope_parameters`; older configs keep them top-level.
+    params = cfg.get("rope_parameters") or {}
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    scaling = cfg.get("rope_scaling") or {k: v for k, v in params.items() if k != "rope_theta"} or None
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind == "default":
+            scaling = None
+        elif kind != "llama3":
+            raise UnsupportedCheckpointError(
+                f"rope scaling type '{kind}' is not supported (supported: default, llama3)"
+            )
+    return theta, scaling
+
+
+def arch_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> ModelArch:
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedCheckpointError(
+            f"{source}: model_type '{model_type}' is not supported; supported: "
+            f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+        )
+    for key in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"):
+        if key not in cfg:
+            raise UnsupportedCheckpointError(f"{source}: required key '{key}' is missing")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise UnsupportedCheckpointError(f"{source}: hidden_act '{cfg['hidden_act']}' is not supported (silu)")
+    num_heads = int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // num_heads)
+    theta, scaling = _rope_params(cfg)
+    features = SUPPORTED_ARCHITECTURES[model_type]
+    if model_type == "llama" and cfg.get("attention_bias", False):
+        raise UnsupportedCheckpointError(f"{source}: llama with attention_bias=true is not supported")
+    return ModelArch(
+        model_type=model_type,
+        features=features,
+        num_layers=int(cfg["num_hidden_layers"]),
+        hidden_size=int(cfg["hidden_size"]),
+        ffn_hidden_size=int(cfg["intermediate_size"]),
+        num_heads=num_heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+        head_dim=head_dim,
+        vocab_size=int(cfg["vocab_size"]),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        torch_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
+        hf_config=dict(cfg),
+    )
+
+
+def load_arch(hf_dir: str | Path) -> ModelArch:
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise UnsupportedCheckpointError(f"{path}: not found; --hf-dir must be a Hugging Face model folder")
+    return arch_from_hf_config(json.loads(path.read_text()), source=str(path))
+
+
+def rope_inv_freq(arch: ModelArch):
+    """Inverse RoPE frequencies exactly as the HF model computes them (incl. Llama 3 scaling)."""
+    import torch
+
+    dim = arch.head_dim
+    inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if arch.rope_scaling is None:
+        return inv_freq
+    s = arch.rope_scaling
+    factor = float(s["factor"])
+    low, high = float(s.get("low_freq_factor", 1.0)), float(s.get("high_freq_factor", 4.0))
+    original = float(s.get("original_max_position_embeddings", 8192))
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are divided by `factor`, short ones kept, the band between blended smoothly.
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return torch.where(medium, blended, scaled)
