@@ -1,0 +1,109 @@
+"""Load, override and validate the run configuration before any process group or model exists."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from rlfactory_megatron.config.schema import RLFConfig
+
+DEFAULT_CONFIG = Path(__file__).with_name("default.yaml")
+# Closed sets of values, checked with a message that lists the allowed ones.
+CHOICES: dict[str, tuple] = {
+    "model.params_dtype": ("float32", "bfloat16", "float16"),
+    "model.layer_spec": ("auto", "local", "transformer_engine"),
+    "actor.optim.lr_decay_style": ("constant", "linear", "cosine"),
+    "critic.optim.lr_decay_style": ("constant", "linear", "cosine"),
+    "weight_sync.transport": ("in_process", "broadcast"),
+    "tools.format": ("qwen3", "qwen2_5", "llama3"),
+    "trainer.algorithm": ("ppo", "grpo", "dapo", "gspo", "reinforce_pp", "rloo"),
+    "actor.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+}
+POSITIVE_INTS = ("parallel.tp", "parallel.pp", "rollout.n", "rollout.tp", "actor.ppo_epochs",
+                 "actor.mini_batch_size", "actor.max_tokens_per_microbatch", "trainer.total_steps",
+                 "trainer.prompts_per_step", "weight_sync.bucket_mb", "tools.max_turns")
+
+
+class ConfigError(ValueError):
+    """A configuration key is unknown, mistyped or inconsistent; the message names it."""
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RLFConfig:
+    """Schema <- default.yaml <- YAML at `path` <- dotted `key=value` overrides, then validated."""
+    try:
+        cfg = OmegaConf.structured(RLFConfig)
+        cfg = OmegaConf.merge(cfg, OmegaConf.load(DEFAULT_CONFIG))
+        if path is not None:
+            if not Path(path).is_file():
+                raise ConfigError(f"config file '{path}' does not exist")
+            cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
+        for item in overrides:
+            if "=" not in item:
+                raise ConfigError(f"override '{item}' must look like key=value (e.g. actor.optim.lr=1e-6)")
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+    except OmegaConfBaseException as exc:
+        raise ConfigError(_explain(exc)) from None
+    validate_static(cfg)
+    return cfg
+
+
+def _explain(exc: OmegaConfBaseException) -> str:
+    key = getattr(exc, "full_key", None) or ""
+    msg = str(exc).splitlines()[0]
+    if "not in struct" in msg or "Key '" in msg and "not" in msg:
+        parent = key.rsplit(".", 1)[0] if "." in key else ""
+        return f"unknown config key '{key}'" + (
+            f"; valid keys under '{parent}': {', '.join(_keys_under(parent))}" if parent else
+            f"; valid sections: {', '.join(_keys_under(''))}")
+    return f"invalid value for config key '{key}': {msg}"
+
+
+def _keys_under(prefix: str) -> list[str]:
+    node = OmegaConf.structured(RLFConfig)
+    for part in [p for p in prefix.split(".") if p]:
+        node = node[part]
+    return sorted(node.keys())
+
+
+def validate_static(cfg) -> None:
+    """Checks that need no model or process group."""
+    for key, allowed in CHOICES.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in allowed:
+            raise ConfigError(f"{key}='{value}' is not allowed; choose one of: {', '.join(allowed)}")
+    for key in POSITIVE_INTS:
+        value = OmegaConf.select(cfg, key)
+        if value < 1:
+            raise ConfigError(f"{key}={value} must be >= 1")
+    if cfg.parallel.vpp is not None and cfg.parallel.pp < 2:
+        raise ConfigError(f"parallel.vpp={cfg.parallel.vpp} needs parallel.pp >= 2 (or set parallel.vpp=null)")
+
+
+def validate_against_model(cfg, arch, world_size: int) -> None:
+    """Checks that need the model's shape and the job's size; run before initializing anything."""
+    tp, pp, vpp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp
+    if world_size % (tp * pp) != 0:
+        raise ConfigError(
+            f"world size {world_size} is not divisible by parallel.tp*parallel.pp={tp}*{pp}; "
+            f"use tp*pp in {{{', '.join(str(d) for d in _divisors(world_size))}}}"
+        )
+    if arch.num_heads % tp != 0:
+        raise ConfigError(f"parallel.tp={tp} does not divide the model's {arch.num_heads} attention heads; "
+                          f"use one of {_divisors(arch.num_heads)}")
+    if arch.num_kv_heads % tp != 0:
+        raise ConfigError(f"parallel.tp={tp} does not divide the model's {arch.num_kv_heads} key/value heads; "
+                          f"use one of {_divisors(arch.num_kv_heads)}")
+    stages = pp * (vpp or 1)
+    if arch.num_layers % stages != 0:
+        raise ConfigError(f"parallel.pp*vpp={stages} does not divide the model's {arch.num_layers} layers; "
+                          f"use one of {_divisors(arch.num_layers)}")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def to_yaml(cfg) -> str:
+    return OmegaConf.to_yaml(cfg)
