@@ -1,0 +1,157 @@
+"""`rlf-convert`: HF <-> Megatron distributed checkpoints, and an exactness check against HF.
+
+  rlf-convert hf-to-mcore --hf-dir H --out M --tp T --pp P
+  rlf-convert mcore-to-hf --mcore-dir M --out H2 [--tp T --pp P]
+  rlf-convert check --hf-dir H --tp T --pp P [--vpp V]
+
+Outside a launcher (torchrun/srun/mpirun) the command starts the T*P local CPU processes it needs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+
+def _hf_to_mcore(hf_dir: str, out: str, tp: int, pp: int, vpp: int | None) -> dict:
+    from rlfactory_megatron.models.builder import build_model_chunks
+    from rlfactory_megatron.models.conversion import load_hf_weights
+    from rlfactory_megatron.models.hf_arch import load_arch
+    from rlfactory_megatron.models.mcore_checkpoint import save_mcore_checkpoint
+    from rlfactory_megatron.runtime.distributed import ParallelSizes, destroy_distributed, init_distributed
+
+    arch = load_arch(hf_dir)
+    init_distributed(ParallelSizes(tp, pp, vpp))
+    try:
+        chunks = build_model_chunks(arch)
+        load_hf_weights(chunks, arch, hf_dir)
+        save_mcore_checkpoint(chunks, arch, out, hf_dir, arch.padded_vocab_size(tp))
+    finally:
+        destroy_distributed()
+    return {"out": out}
+
+
+def _mcore_to_hf(mcore_dir: str, out: str, tp: int, pp: int, vpp: int | None) -> dict:
+    import torch.distributed as dist
+
+    from rlfactory_megatron.models.builder import BuildOptions, build_model_chunks
+    from rlfactory_megatron.models.conversion import iter_hf_tensors
+    from rlfactory_megatron.models.hf_checkpoint import copy_non_weight_files, write_safetensors_shards
+    from rlfactory_megatron.models.mcore_checkpoint import HF_FILES_DIR, load_mcore_checkpoint, read_mcore_meta
+    from rlfactory_megatron.runtime.distributed import ParallelSizes, destroy_distributed, init_distributed
+
+    arch, padded_vocab = read_mcore_meta(mcore_dir)
+    init_distributed(ParallelSizes(tp, pp, vpp))
+    try:
+        chunks = build_model_chunks(arch, BuildOptions(padded_vocab_size=padded_vocab))
+        load_mcore_checkpoint(chunks, mcore_dir)
+        dtype = getattr(torch, arch.torch_dtype)
+        tensors = iter_hf_tensors(chunks, arch, dtype=dtype)
+        if dist.get_rank() == 0:
+            write_safetensors_shards(tensors, out)
+            hf_files = Path(mcore_dir) / HF_FILES_DIR
+            if hf_files.is_dir():
+                copy_non_weight_files(hf_files, out)
+            else:
+                (Path(out) / "config.json").write_text(json.dumps(arch.hf_config, indent=2))
+        else:
+            for _ in tensors:
+                pass
+    finally:
+        destroy_distributed()
+    return {"out": out}
+
+
+def _check(hf_dir: str, tp: int, pp: int, vpp: int | None) -> dict:
+    from rlfactory_megatron.models.parity import parity_worker
+
+    return parity_worker([hf_dir], tp, pp, vpp)[0]
+
+
+def _run(fn, world: int, *args) -> list[dict]:
+    """Under a launcher: this process is one rank. Otherwise: start the ranks locally."""
+    from rlfactory_megatron.runtime.distributed import spawn_local_workers
+    from rlfactory_megatron.runtime.launch_env import detect_launch_env
+
+    launch = detect_launch_env()
+    if launch.launcher != "single":
+        if launch.world_size % world:
+            raise SystemExit(f"rlf-convert: launcher world size {launch.world_size} is not a multiple of "
+                             f"tp*pp={world}")
+        return [fn(*args)]
+    if world == 1:
+        return [_single(fn, *args)]
+    from torch.multiprocessing import ProcessRaisedException
+
+    try:
+        return spawn_local_workers(fn, world, *args)
+    except ProcessRaisedException as exc:
+        # Re-raise the worker's own error (its last traceback line) as this command's error.
+        raise ValueError(str(exc).strip().splitlines()[-1].split(": ", 1)[-1]) from None
+
+
+def _single(fn, *args):
+    import os
+
+    from rlfactory_megatron.runtime.launch_env import free_port
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(free_port()))
+    return fn(*args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlf-convert", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    a = sub.add_parser("hf-to-mcore", help="HF safetensors folder -> Megatron distributed checkpoint")
+    a.add_argument("--hf-dir", required=True)
+    a.add_argument("--out", required=True)
+    b = sub.add_parser("mcore-to-hf", help="Megatron distributed checkpoint -> HF safetensors folder")
+    b.add_argument("--mcore-dir", required=True)
+    b.add_argument("--out", required=True)
+    c = sub.add_parser("check", help="logits, loss and gradients of the Megatron model vs transformers")
+    c.add_argument("--hf-dir", required=True)
+    for p in (a, b, c):
+        p.add_argument("--tp", type=int, default=1)
+        p.add_argument("--pp", type=int, default=1)
+        p.add_argument("--vpp", type=int, default=None)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from rlfactory_megatron.config import ConfigError, validate_against_model
+    from rlfactory_megatron.models.hf_arch import UnsupportedCheckpointError, load_arch
+    from rlfactory_megatron.models.hf_checkpoint import CheckpointError
+    from rlfactory_megatron.models.mcore_checkpoint import read_mcore_meta
+
+    try:
+        arch = read_mcore_meta(args.mcore_dir)[0] if args.command == "mcore-to-hf" else load_arch(args.hf_dir)
+        from omegaconf import OmegaConf
+
+        sizes = OmegaConf.create({"parallel": {"tp": args.tp, "pp": args.pp, "vpp": args.vpp}})
+        validate_against_model(sizes, arch, args.tp * args.pp)
+        world = args.tp * args.pp
+        if args.command == "hf-to-mcore":
+            _run(_hf_to_mcore, world, args.hf_dir, args.out, args.tp, args.pp, args.vpp)
+            print(f"rlf-convert: wrote Megatron checkpoint (tp={args.tp}, pp={args.pp}) to {args.out}")
+        elif args.command == "mcore-to-hf":
+            _run(_mcore_to_hf, world, args.mcore_dir, args.out, args.tp, args.pp, args.vpp)
+            print(f"rlf-convert: wrote HF checkpoint to {args.out}")
+        else:
+            results = _run(_check, world, args.hf_dir, args.tp, args.pp, args.vpp)
+            worst = {k: max(r.get(k, 0.0) for r in results) for k in ("logits_max_diff", "loss_diff", "grad_max_diff")}
+            print(json.dumps(worst))
+            return 0 if worst["logits_max_diff"] <= 1e-4 and worst["grad_max_diff"] <= 1e-4 else 1
+    except (ConfigError, UnsupportedCheckpointError, CheckpointError, ValueError) as exc:
+        print(f"rlf-convert: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
