@@ -1,0 +1,54 @@
+"""Configuration: defaults, YAML + dotted overrides, and errors that name the key and the fix."""
+import pytest
+from omegaconf import OmegaConf
+
+from rlfactory_megatron.config import ConfigError, load_config, validate_against_model
+from rlfactory_megatron.models.hf_arch import arch_from_hf_config
+
+
+def test_defaults_yaml_and_overrides_merge_in_order(tmp_path):
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text("actor:\n  optim:\n    lr: 3.0e-6\nparallel:\n  tp: 2\n")
+    cfg = load_config(yaml, ["parallel.tp=4", "rollout.stop=[</answer>]"])
+    assert cfg.actor.optim.lr == 3e-6 and cfg.parallel.tp == 4 and list(cfg.rollout.stop) == ["</answer>"]
+    assert cfg.model.path == "tiny://qwen3"
+
+
+@pytest.mark.parametrize("override,message", [
+    ("actor.lrr=1", "unknown config key 'actor.lrr'; valid keys under 'actor':"),
+    ("trainerr.total_steps=1", "unknown config key 'trainerr'; valid sections:"),
+    ("parallel.tp=two", "invalid value for config key 'parallel.tp'"),
+    ("trainer.algorithm=ppo2", "trainer.algorithm='ppo2' is not allowed; choose one of: ppo, grpo"),
+    ("parallel.pp=0", "parallel.pp=0 must be >= 1"),
+    ("parallel.vpp=2", "parallel.vpp=2 needs parallel.pp >= 2"),
+    ("actor.optim.lr", "must look like key=value"),
+])
+def test_bad_overrides_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        load_config(overrides=[override])
+
+
+def test_missing_config_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="config file .*nope.yaml' does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+ARCH = arch_from_hf_config({"model_type": "qwen3", "num_hidden_layers": 6, "hidden_size": 128,
+                            "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+                            "vocab_size": 512})
+
+
+@pytest.mark.parametrize("tp,pp,vpp,world,message", [
+    (2, 2, None, 6, "world size 6 is not divisible by parallel.tp\\*parallel.pp=2\\*2"),
+    (4, 1, None, 4, "parallel.tp=4 does not divide the model's 2 key/value heads; use one of \\[1, 2\\]"),
+    (3, 1, None, 3, "parallel.tp=3 does not divide the model's 4 attention heads"),
+    (1, 4, None, 4, "parallel.pp\\*vpp=4 does not divide the model's 6 layers; use one of \\[1, 2, 3, 6\\]"),
+    (1, 3, 2, 3, "parallel.pp\\*vpp=6"),
+])
+def test_inconsistent_parallel_sizes_are_rejected(tp, pp, vpp, world, message):
+    cfg = OmegaConf.create({"parallel": {"tp": tp, "pp": pp, "vpp": vpp}})
+    if vpp == 2 and pp == 3:  # 3*2 = 6 divides 6 layers: a valid layout
+        validate_against_model(cfg, ARCH, world)
+        return
+    with pytest.raises(ConfigError, match=message):
+        validate_against_model(cfg, ARCH, world)
