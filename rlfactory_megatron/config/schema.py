@@ -41,14 +41,14 @@ class ActorConfig:
     ppo_epochs: int = 1
     mini_batch_size: int = 8
     max_tokens_per_microbatch: int = 4096
-    policy_loss: str = "ppo_clip"
+    policy_loss: str = "ppo"  # a name in rlfactory_megatron.algorithms.POLICY_LOSSES
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     clip_ratio_c: float = 3.0
     loss_agg_mode: str = "token-mean"
     entropy_coeff: float = 0.0
     kl_loss_coef: float = 0.0
-    kl_penalty: str = "low_var_kl"
+    kl_penalty: str = "low-var-kl"  # k1 | k2 | k3 | low-var-kl
     use_fused_logprob: bool = True
 
 

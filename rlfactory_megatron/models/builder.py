@@ -90,9 +90,10 @@ def transformer_config(arch: ModelArch, options: BuildOptions):
 class ValueHead(torch.nn.Module):
     """Critic head [hidden] -> [1], replicated on every TP rank; called like megatron's output layer."""
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, hidden_size: int, dtype: torch.dtype, init_std: float) -> None:
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        # Same CPU RNG stream on every TP rank of the last stage, so the replicas start identical.
+        self.weight = torch.nn.Parameter(torch.empty(1, hidden_size, dtype=dtype).normal_(0.0, init_std))
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
         return torch.matmul(hidden_states, self.weight.t()), None
@@ -138,7 +139,7 @@ def build_model_chunks(arch: ModelArch, options: BuildOptions = BuildOptions()) 
         # Megatron's built-in Llama-3 scaling hard-codes its constants; use the checkpoint's exact ones.
         model.rotary_pos_emb.inv_freq = rope_inv_freq(arch).to(model.rotary_pos_emb.inv_freq.device)
         if options.value_head and post:
-            model.output_layer = ValueHead(arch.hidden_size, config.params_dtype)
+            model.output_layer = ValueHead(arch.hidden_size, config.params_dtype, config.init_method_std)
         if cuda_available():
             model.cuda(torch.cuda.current_device())
         chunks.append(model)

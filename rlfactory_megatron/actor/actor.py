@@ -1,0 +1,245 @@
+"""The policy (actor), its frozen reference, and the critic: log-probs, values and PPO-style updates.
+
+Every loss is normalized over the whole mini-batch (all micro-batches, all DP ranks) before
+megatron's schedule and DDP average it, so packing, token-budget cuts and the DP split never
+change an update; tokens with loss_mask 0 contribute exactly nothing.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlfactory_megatron.actor.batch import MicroBatchPlan, PackedMicroBatch, RolloutBatch, plan_micro_batches
+from rlfactory_megatron.actor.engine import MegatronEngine
+from rlfactory_megatron.algorithms import clipped_value_loss, compute_policy_loss, kl_penalty
+from rlfactory_megatron.algorithms.aggregation import aggregate_loss
+from rlfactory_megatron.models.builder import BuildOptions
+from rlfactory_megatron.models.hf_arch import ModelArch
+from rlfactory_megatron.models.logprobs import vocab_parallel_entropy, vocab_parallel_log_probs
+
+SEQ_MODES = ("seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def _parallel():
+    from megatron.core import parallel_state as ps
+
+    return ps
+
+
+def _dp() -> tuple[int, int]:
+    ps = _parallel()
+    return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+
+
+def _plan(batch: RolloutBatch, max_tokens: int) -> MicroBatchPlan:
+    rank, size = _dp()
+    return plan_micro_batches(batch, max_tokens, rank, size)
+
+
+def _agg_options(plan: MicroBatchPlan, mode: str, norm_length: int | None) -> dict[str, Any]:
+    """Global normalizers: a micro-batch's aggregate is its share of the mini-batch's aggregate."""
+    options: dict[str, Any] = {"num_units": plan.num_sequences if mode in SEQ_MODES else plan.num_tokens}
+    if mode == "seq-mean-token-sum-norm":
+        options["norm_length"] = norm_length
+    return options
+
+
+def _undo_schedule_averaging(loss: torch.Tensor, plan: MicroBatchPlan) -> torch.Tensor:
+    # megatron divides each micro-batch loss by their count, DDP averages gradients over DP ranks;
+    # our losses are already globally normalized, so both divisions are undone here.
+    return loss * len(plan.micro_batches) * _dp()[1]
+
+
+def _from_last_stages(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum over DP ranks of values held by each DP rank's last pipeline stage, then share with all stages."""
+    ps = _parallel()
+    if ps.get_data_parallel_world_size() > 1:
+        dist.all_reduce(tensor, group=ps.get_data_parallel_group())
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        last = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())[-1]
+        dist.broadcast(tensor, src=last, group=ps.get_pipeline_model_parallel_group())
+    return tensor
+
+
+def gather_token_values(batch: RolloutBatch, outputs: list[dict[str, Any]], key: str) -> torch.Tensor:
+    """[B, T] tensor on every rank from the per-micro-batch outputs (each row computed by one DP rank)."""
+    result = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+    for out in outputs:
+        values = out[key]
+        result[out["rows"], : values.shape[1]] = values.float()
+    return _from_last_stages(result) * (batch.loss_mask > 0)
+
+
+def mini_batches(batch: RolloutBatch, size: int) -> list[RolloutBatch]:
+    return [batch.select(list(range(i, min(i + size, batch.batch_size)))) for i in range(0, batch.batch_size, size)]
+
+
+class PolicyModel:
+    """Log-probs (+ entropy) of a causal LM over packed micro-batches; the actor and the reference."""
+
+    def __init__(self, arch: ModelArch, hf_dir: str | None, build: BuildOptions, max_tokens: int,
+                 optim_cfg=None, total_steps: int = 1) -> None:
+        self.arch = arch
+        self.max_tokens = max_tokens
+        self.engine = MegatronEngine(arch, hf_dir, build, optim_cfg, total_steps)
+
+    def _token_outputs(self, mb: PackedMicroBatch, logits: torch.Tensor, entropy: bool) -> dict[str, torch.Tensor]:
+        out = {"log_probs": mb.unpack(vocab_parallel_log_probs(logits, mb.targets, self.arch.vocab_size))}
+        if entropy:
+            out["entropy"] = mb.unpack(vocab_parallel_entropy(logits, self.arch.vocab_size))
+        return out
+
+    def compute_log_probs(self, batch: RolloutBatch, with_entropy: bool = False) -> dict[str, torch.Tensor]:
+        plan = _plan(batch, self.max_tokens)
+
+        def loss_fn(mb: PackedMicroBatch, logits: torch.Tensor):
+            out = self._token_outputs(mb, logits, with_entropy)
+            return torch.zeros(()), {"rows": mb.rows, **out}
+
+        outputs = self.engine.run(plan, loss_fn, forward_only=True)
+        keys = ["log_probs"] + (["entropy"] if with_entropy else [])
+        return {key: gather_token_values(batch, outputs, key) for key in keys}
+
+
+class Actor(PolicyModel):
+    """The trained policy: PPO-family update over `ppo_epochs` x mini-batches."""
+
+    def __init__(self, actor_cfg, arch: ModelArch, hf_dir: str | None, build: BuildOptions, total_steps: int,
+                 norm_length: int | None = None) -> None:
+        super().__init__(arch, hf_dir, build, actor_cfg.max_tokens_per_microbatch, actor_cfg.optim, total_steps)
+        self.cfg = actor_cfg
+        self.norm_length = norm_length
+
+    def _loss_fn(self, mini: RolloutBatch, plan: MicroBatchPlan):
+        cfg = self.cfg
+        agg = _agg_options(plan, cfg.loss_agg_mode, self.norm_length)
+        need_entropy = cfg.entropy_coeff != 0.0
+
+        def loss_fn(mb: PackedMicroBatch, logits: torch.Tensor):
+            if not mb.rows:  # a padding-only micro-batch of a DP rank with fewer cuts
+                return (logits.sum() * 0.0), {"rows": []}
+            width = mb.gather_index.shape[1]
+            rows = mb.rows
+            mask = mini.loss_mask[rows, :width]
+            out = self._token_outputs(mb, logits, need_entropy)
+            policy = compute_policy_loss(
+                cfg.policy_loss, out["log_probs"], mini.old_log_probs[rows, :width], mini.advantages[rows, :width],
+                mask, clip_low=cfg.clip_ratio_low, clip_high=cfg.clip_ratio_high,
+                clip_ratio_c=cfg.clip_ratio_c if cfg.policy_loss == "dual-clip" else None,
+                agg_mode=cfg.loss_agg_mode, **agg)
+            loss = policy.loss
+            metrics = {f"actor/{k}": v for k, v in policy.metrics.items()}
+            metrics["actor/pg_loss"] = policy.loss.detach()
+            if cfg.kl_loss_coef > 0:
+                kl = kl_penalty(cfg.kl_penalty, out["log_probs"], mini.ref_log_probs[rows, :width], mask)
+                kl_loss = aggregate_loss(kl, mask, cfg.loss_agg_mode, **agg)
+                loss = loss + cfg.kl_loss_coef * kl_loss
+                metrics["actor/kl_loss"] = kl_loss.detach()
+            if need_entropy:
+                entropy = aggregate_loss(out["entropy"], mask, cfg.loss_agg_mode, **agg)
+                loss = loss - cfg.entropy_coeff * entropy
+                metrics["actor/entropy"] = entropy.detach()
+            metrics["tokens"] = mask.sum().detach()
+            return _undo_schedule_averaging(loss, plan), {"rows": rows, **metrics}
+
+        return loss_fn
+
+    def update(self, batch: RolloutBatch) -> dict[str, float]:
+        """One PPO update; returns averaged metrics (same on every rank)."""
+        if batch.old_log_probs is None or batch.advantages is None:
+            raise ValueError("actor update needs old_log_probs and advantages on the batch")
+        if self.cfg.kl_loss_coef > 0 and batch.ref_log_probs is None:
+            raise ValueError("actor.kl_loss_coef > 0 needs ref_log_probs on the batch")
+        return _run_updates(self.engine, batch, self.cfg.ppo_epochs, self.cfg.mini_batch_size,
+                            self.max_tokens, self._loss_fn, prefix="actor")
+
+
+class Critic:
+    """Value model (LM trunk + [hidden -> 1] head) with the clipped value loss."""
+
+    def __init__(self, critic_cfg, actor_cfg, arch: ModelArch, hf_dir: str | None, build: BuildOptions,
+                 total_steps: int) -> None:
+        from dataclasses import replace
+
+        self.cfg = critic_cfg
+        self.actor_cfg = actor_cfg
+        self.max_tokens = actor_cfg.max_tokens_per_microbatch
+        self.engine = MegatronEngine(arch, hf_dir, replace(build, value_head=True), critic_cfg.optim, total_steps)
+
+    def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
+        plan = _plan(batch, self.max_tokens)
+
+        def loss_fn(mb: PackedMicroBatch, values: torch.Tensor):
+            return torch.zeros(()), {"rows": mb.rows, "values": mb.unpack(values[..., 0])}
+
+        return gather_token_values(batch, self.engine.run(plan, loss_fn, forward_only=True), "values")
+
+    def _loss_fn(self, mini: RolloutBatch, plan: MicroBatchPlan):
+        mode = self.actor_cfg.loss_agg_mode
+        agg = _agg_options(plan, mode, None if mode != "seq-mean-token-sum-norm" else mini.input_ids.shape[1])
+
+        def loss_fn(mb: PackedMicroBatch, values: torch.Tensor):
+            if not mb.rows:
+                return values.sum() * 0.0, {"rows": []}
+            width = mb.gather_index.shape[1]
+            rows = mb.rows
+            result = clipped_value_loss(mb.unpack(values[..., 0]), mini.values[rows, :width],
+                                        mini.returns[rows, :width], mini.loss_mask[rows, :width],
+                                        clip_range=self.cfg.cliprange_value, agg_mode=mode, **agg)
+            metrics = {f"critic/{k}": v for k, v in result.metrics.items()}
+            metrics["critic/vf_loss"] = result.loss.detach()
+            metrics["tokens"] = mini.loss_mask[rows, :width].sum()
+            return _undo_schedule_averaging(result.loss, plan), {"rows": rows, **metrics}
+
+        return loss_fn
+
+    def update(self, batch: RolloutBatch) -> dict[str, float]:
+        if batch.values is None or batch.returns is None:
+            raise ValueError("critic update needs values (from compute_values) and returns on the batch")
+        return _run_updates(self.engine, batch, self.cfg.ppo_epochs, self.actor_cfg.mini_batch_size,
+                            self.max_tokens, self._loss_fn, prefix="critic")
+
+
+# Loss parts are globally normalized shares (they add up over micro-batches and DP ranks);
+# every other metric is a per-micro-batch mean, averaged weighted by loss tokens.
+_SHARE_METRICS = ("pg_loss", "kl_loss", "entropy", "vf_loss")
+
+
+def _run_updates(engine: MegatronEngine, batch: RolloutBatch, epochs: int, mini_size: int, max_tokens: int,
+                 make_loss_fn, prefix: str) -> dict[str, float]:
+    sums: dict[str, float] = {}
+    grad_norms = []
+    tokens = 0.0
+    updates = 0
+    start = time.perf_counter()
+    for _ in range(epochs):
+        for mini in mini_batches(batch, mini_size):
+            plan = _plan(mini, max_tokens)
+            step = engine.train_step(plan, make_loss_fn(mini, plan))
+            grad_norms.append(step["grad_norm"])
+            updates += 1
+            for out in step["outputs"]:
+                if not out["rows"]:
+                    continue
+                weight = float(out["tokens"])
+                tokens += weight
+                for key, value in out.items():
+                    if key not in ("rows", "tokens"):
+                        shared = key.endswith(_SHARE_METRICS)
+                        sums[key] = sums.get(key, 0.0) + float(value) * (1.0 if shared else weight)
+    ps = _parallel()
+    keys = [sorted(sums)]
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        last = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())[-1]
+        dist.broadcast_object_list(keys, src=last, group=ps.get_pipeline_model_parallel_group())
+    values = _from_last_stages(torch.tensor([sums.get(k, 0.0) for k in keys[0]] + [tokens], dtype=torch.float64))
+    total_tokens = float(values[-1])
+    metrics = {k: float(v) / (updates if k.endswith(_SHARE_METRICS) else max(total_tokens, 1.0))
+               for k, v in zip(keys[0], values[:-1])}
+    metrics[f"{prefix}/grad_norm"] = sum(grad_norms) / len(grad_norms)
+    metrics[f"{prefix}/lr"] = engine.optimizer.param_groups[0]["lr"]
+    metrics[f"{prefix}/tokens_per_s"] = total_tokens / (time.perf_counter() - start)
+    return metrics

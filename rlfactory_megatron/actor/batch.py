@@ -1,0 +1,189 @@
+"""The batch record of trajectories and its packing into token-budgeted Megatron micro-batches.
+
+Token arrays are [B, T] (right-padded); every per-token quantity at index t belongs to token t,
+i.e. to the prediction made at position t-1. Token 0 of a sequence is never trained on.
+Packing concatenates whole sequences into one row per micro-batch (no padding waste), with
+block-diagonal causal attention and per-sequence position ids, and cuts micro-batches by a
+token budget; loss normalization is global, so cuts never change an update.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Optional
+
+import torch
+
+# Per-token float arrays a batch may carry, all [B, T] and aligned to token t.
+TOKEN_FIELDS = ("loss_mask", "old_log_probs", "ref_log_probs", "values", "token_rewards", "advantages", "returns")
+
+
+@dataclass
+class RolloutBatch:
+    """Trajectories of one step: prompt + response tokens, masks and the RL quantities on them."""
+
+    input_ids: torch.Tensor  # [B, T] int64, right-padded
+    lengths: torch.Tensor  # [B] int64, valid tokens per row
+    loss_mask: torch.Tensor  # [B, T] float: 1 on tokens the policy produced; 0 on prompt, tool observations, padding
+    group_ids: Optional[torch.Tensor] = None  # [B] int64: samples of one prompt (GRPO/RLOO groups)
+    old_log_probs: Optional[torch.Tensor] = None
+    ref_log_probs: Optional[torch.Tensor] = None
+    values: Optional[torch.Tensor] = None
+    token_rewards: Optional[torch.Tensor] = None
+    advantages: Optional[torch.Tensor] = None
+    returns: Optional[torch.Tensor] = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, tokens], got shape {list(self.input_ids.shape)}")
+        b, t = self.input_ids.shape
+        if self.lengths.shape != (b,) or b == 0 or int(self.lengths.max()) > t or int(self.lengths.min()) < 1:
+            raise ValueError("lengths must be [batch] with 1 <= length <= input_ids.shape[1]")
+        for name in TOKEN_FIELDS:
+            value = getattr(self, name)
+            if value is not None and value.shape != (b, t):
+                raise ValueError(f"{name} must have shape {[b, t]} like input_ids, got {list(value.shape)}")
+        # Position 0 has no prediction and padding is never trained: enforce rather than trust.
+        valid = torch.arange(t)[None, :] < self.lengths[:, None]
+        self.loss_mask = self.loss_mask.float() * valid
+        self.loss_mask[:, 0] = 0
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, rows: torch.Tensor | list[int]) -> "RolloutBatch":
+        rows = torch.as_tensor(rows, dtype=torch.long)
+        width = int(self.lengths[rows].max())
+        updates = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                value = value[rows]
+                if f.name == "input_ids" or f.name in TOKEN_FIELDS:
+                    value = value[:, :width]
+            updates[f.name] = value
+        return replace(self, **updates)
+
+    def with_fields(self, **tensors: torch.Tensor) -> "RolloutBatch":
+        return replace(self, **tensors)
+
+
+def balanced_partition(lengths: list[int], parts: int) -> list[list[int]]:
+    """Split row indices into `parts` groups of near-equal token totals (longest first, to the lightest)."""
+    groups: list[list[int]] = [[] for _ in range(parts)]
+    loads = [0] * parts
+    for row in sorted(range(len(lengths)), key=lambda r: (-lengths[r], r)):
+        target = min(range(parts), key=lambda p: (loads[p], len(groups[p]), p))
+        groups[target].append(row)
+        loads[target] += lengths[row]
+    return [sorted(g) for g in groups]
+
+
+def cut_by_token_budget(lengths: list[int], rows: list[int], max_tokens: int) -> list[list[int]]:
+    """Consecutive runs of rows whose token total fits the budget (a longer row gets its own)."""
+    cuts: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for row in rows:
+        if current and used + lengths[row] > max_tokens:
+            cuts.append(current)
+            current, used = [], 0
+        current.append(row)
+        used += lengths[row]
+    if current:
+        cuts.append(current)
+    return cuts
+
+
+@dataclass
+class PackedMicroBatch:
+    """Sequences packed into one row: what the model sees plus how to map outputs back to rows."""
+
+    rows: list[int]  # rows of the source batch, in packing order
+    input_ids: torch.Tensor  # [1, L]
+    position_ids: torch.Tensor  # [1, L], restarting at 0 for each sequence
+    attention_mask: torch.Tensor  # [1, 1, L, L] bool, True = masked (block-diagonal causal)
+    targets: torch.Tensor  # [1, L]: next token of the same sequence (0 where there is none)
+    gather_index: torch.Tensor  # [k, T]: packed position whose output predicts token t of sequence j
+    token_valid: torch.Tensor  # [k, T] bool: gather_index is meaningful (1 <= t < length)
+
+    def as_model_batch(self) -> dict[str, Any]:
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids,
+                "attention_mask": self.attention_mask, "packed": self}
+
+    def unpack(self, per_position: torch.Tensor) -> torch.Tensor:
+        """[1, L] per-position outputs -> [k, T] per-token values (0 where not valid)."""
+        gathered = per_position[0][self.gather_index]
+        return torch.where(self.token_valid, gathered, torch.zeros((), dtype=gathered.dtype, device=gathered.device))
+
+
+def pack_rows(batch: RolloutBatch, rows: list[int], padded_length: int) -> PackedMicroBatch:
+    lengths = [int(batch.lengths[r]) for r in rows]
+    used = sum(lengths)
+    if used > padded_length:
+        raise ValueError(f"micro-batch of {used} tokens does not fit padded length {padded_length}")
+    width = max(lengths)
+    input_ids = torch.zeros(1, padded_length, dtype=torch.long)
+    position_ids = torch.zeros(1, padded_length, dtype=torch.long)
+    targets = torch.zeros(1, padded_length, dtype=torch.long)
+    segment = torch.full((padded_length,), -1, dtype=torch.long)
+    gather_index = torch.zeros(len(rows), width, dtype=torch.long)
+    token_valid = torch.zeros(len(rows), width, dtype=torch.bool)
+    start = 0
+    for j, (row, n) in enumerate(zip(rows, lengths)):
+        tokens = batch.input_ids[row, :n]
+        input_ids[0, start : start + n] = tokens
+        position_ids[0, start : start + n] = torch.arange(n)
+        targets[0, start : start + n - 1] = tokens[1:]
+        segment[start : start + n] = j
+        gather_index[j, 1:n] = torch.arange(start, start + n - 1)
+        token_valid[j, 1:n] = True
+        start += n
+    # Padding positions form one-token segments of their own, so no attention row is empty.
+    pad = torch.arange(used, padded_length)
+    segment[used:] = len(rows) + pad
+    position_ids[0, used:] = 0
+    causal = torch.ones(padded_length, padded_length, dtype=torch.bool).tril()
+    same_segment = segment[:, None] == segment[None, :]
+    attention_mask = ~(causal & same_segment)[None, None]
+    return PackedMicroBatch(rows, input_ids, position_ids, attention_mask, targets, gather_index, token_valid)
+
+
+@dataclass
+class MicroBatchPlan:
+    """This DP rank's micro-batches of one mini-batch, and the normalizers shared by all ranks."""
+
+    micro_batches: list[PackedMicroBatch]
+    padded_length: int
+    num_tokens: int  # loss tokens in the whole mini-batch (all DP ranks)
+    num_sequences: int  # sequences with at least one loss token, whole mini-batch
+
+
+def plan_micro_batches(batch: RolloutBatch, max_tokens: int, dp_rank: int, dp_size: int,
+                       pad_to_multiple: int = 8) -> MicroBatchPlan:
+    """Balance rows across DP ranks by tokens, cut each rank's rows by `max_tokens`, pack them.
+
+    Every rank computes the same cuts (the batch is identical on all ranks), so all micro-batches
+    get one padded length (pipeline stages exchange fixed shapes) and every rank runs the same
+    number of micro-batches (empty cuts get a padding-only micro-batch).
+    """
+    lengths = [int(n) for n in batch.lengths]
+    if max(lengths) > max_tokens:
+        raise ValueError(f"a sequence of {max(lengths)} tokens exceeds actor.max_tokens_per_microbatch={max_tokens}; "
+                         "raise it or lower rollout.max_prompt_tokens + rollout.max_response_tokens")
+    per_rank = [cut_by_token_budget(lengths, rows, max_tokens) for rows in balanced_partition(lengths, dp_size)]
+    steps = max(len(cuts) for cuts in per_rank)
+    longest = max(sum(lengths[r] for r in cut) for cuts in per_rank for cut in cuts)
+    padded = -(-longest // pad_to_multiple) * pad_to_multiple
+    mine = per_rank[dp_rank] + [[]] * (steps - len(per_rank[dp_rank]))
+    micro = [pack_rows(batch, cut, padded) if cut else _padding_only(padded) for cut in mine]
+    mask = batch.loss_mask > 0
+    return MicroBatchPlan(micro, padded, int(mask.sum()), int(mask.any(-1).sum()))
+
+
+def _padding_only(padded_length: int) -> PackedMicroBatch:
+    eye = ~torch.eye(padded_length, dtype=torch.bool)[None, None]
+    zeros = torch.zeros(1, padded_length, dtype=torch.long)
+    empty = torch.zeros(0, 1, dtype=torch.long)
+    return PackedMicroBatch([], zeros, zeros, eye, zeros, empty, empty.bool())

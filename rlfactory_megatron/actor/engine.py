@@ -1,0 +1,172 @@
+"""A Megatron model on this rank with its DDP wrapper, optimizer and LR schedule: the machinery
+shared by the actor, the critic and the frozen reference model.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from rlfactory_megatron.actor.batch import MicroBatchPlan, PackedMicroBatch
+from rlfactory_megatron.models.builder import BuildOptions, build_model_chunks
+from rlfactory_megatron.models.conversion import iter_hf_tensors, load_hf_weights
+from rlfactory_megatron.models.hf_arch import ModelArch
+from rlfactory_megatron.models.pipeline import forward_backward
+from rlfactory_megatron.runtime.cpu_compat import cuda_available
+
+# loss_fn(micro_batch, model_output) -> (loss, metrics); runs on the last pipeline stage.
+MicroLossFn = Callable[[PackedMicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+class MegatronEngine:
+    """Owns model chunks (+ DDP, optimizer, scheduler when trainable) and runs planned micro-batches."""
+
+    def __init__(self, arch: ModelArch, hf_dir: str | None, build: BuildOptions, optim_cfg=None,
+                 total_steps: int = 1) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+        self.arch = arch
+        self.trainable = optim_cfg is not None
+        chunks = build_model_chunks(arch, build)
+        if hf_dir is not None:
+            load_hf_weights(chunks, arch, hf_dir)
+        self.optimizer = self.scheduler = None
+        if not self.trainable:
+            for chunk in chunks:
+                chunk.requires_grad_(False)
+                chunk.eval()
+            self.chunks = chunks
+            return
+        # gloo has no reduce-scatter of flat buffers: the distributed optimizer is a GPU-only choice.
+        distributed_optimizer = bool(optim_cfg.use_distributed_optimizer) and cuda_available()
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed_optimizer
+        )
+        self.chunks = [
+            DistributedDataParallel(chunk.config, ddp_config, chunk, disable_bucketing=i > 0)
+            for i, chunk in enumerate(chunks)
+        ]
+        config = self.chunks[0].config
+        config.finalize_model_grads_func = finalize_model_grads
+        self.optimizer = _build_optimizer(self.chunks, optim_cfg, distributed_optimizer)
+        self.scheduler = _build_scheduler(self.optimizer, optim_cfg, total_steps)
+
+    # ------------------------------------------------------------------ running micro-batches
+    def run(self, plan: MicroBatchPlan, loss_fn: MicroLossFn, forward_only: bool) -> list[dict[str, Any]]:
+        """All micro-batches of `plan` through the pipeline; returns metrics (last stage only)."""
+        batches = [mb.as_model_batch() for mb in plan.micro_batches]
+
+        def adapt(batch, output):
+            return loss_fn(batch["packed"], output)
+
+        context = torch.no_grad() if forward_only else contextlib.nullcontext()
+        with context:
+            return forward_backward(self.chunks, batches, adapt, forward_only=forward_only,
+                                    seq_length=plan.padded_length, micro_batch_size=1)
+
+    def train_step(self, plan: MicroBatchPlan, loss_fn: MicroLossFn) -> dict[str, Any]:
+        """Forward+backward over one mini-batch, gradient all-reduce, clip, optimizer and LR step."""
+        if not self.trainable:
+            raise RuntimeError("train_step on a frozen model (built without an optimizer config)")
+        start = time.perf_counter()
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = self.run(plan, loss_fn, forward_only=False)
+        updated, grad_norm, _ = self.optimizer.step()
+        if updated:
+            self.scheduler.step(increment=1)
+        return {
+            "outputs": outputs,
+            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "updated": bool(updated),
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "step_time_s": time.perf_counter() - start,
+        }
+
+    # ------------------------------------------------------------------ weights and checkpoints
+    def modules(self) -> list[torch.nn.Module]:
+        """The bare GPTModel chunks (DDP unwrapped)."""
+        return [getattr(chunk, "module", chunk) for chunk in self.chunks]
+
+    def iter_hf_weights(self, dtype: torch.dtype | None = None):
+        return iter_hf_tensors(self.modules(), self.arch, dtype=dtype)
+
+    def sharded_state_dict(self, is_loading: bool = False) -> dict[str, Any]:
+        modules = self.modules()
+        model_sd = ({"model": modules[0].sharded_state_dict()} if len(modules) == 1 else
+                    {f"model{i}": m.sharded_state_dict() for i, m in enumerate(modules)})
+        state = dict(model_sd)
+        if self.trainable:
+            # is_loading: a fresh optimizer has no Adam state yet; megatron then creates it to load into.
+            state["optimizer"] = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+            state["scheduler"] = self.scheduler.state_dict()
+        return state
+
+    def save(self, directory: str | Path) -> None:
+        from megatron.core import dist_checkpointing
+
+        directory = Path(directory)
+        if dist.get_rank() == 0:
+            directory.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save(self.sharded_state_dict(), str(directory))
+
+    def load(self, directory: str | Path) -> None:
+        from megatron.core import dist_checkpointing
+
+        state = dist_checkpointing.load(self.sharded_state_dict(is_loading=True), str(directory))
+        modules = self.modules()
+        if len(modules) == 1:
+            modules[0].load_state_dict(state["model"])
+        else:
+            for i, module in enumerate(modules):
+                module.load_state_dict(state[f"model{i}"])
+        if self.trainable:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+
+
+def _build_optimizer(chunks, optim_cfg, distributed_optimizer: bool):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    params_dtype = chunks[0].config.params_dtype
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=optim_cfg.lr,
+        min_lr=optim_cfg.min_lr,
+        weight_decay=optim_cfg.weight_decay,
+        adam_beta1=optim_cfg.adam_beta1,
+        adam_beta2=optim_cfg.adam_beta2,
+        adam_eps=optim_cfg.adam_eps,
+        clip_grad=optim_cfg.clip_grad,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        params_dtype=params_dtype,
+        use_distributed_optimizer=distributed_optimizer,
+    )
+    return get_megatron_optimizer(config, chunks)
+
+
+def _build_scheduler(optimizer, optim_cfg, total_steps: int):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    warmup = int(optim_cfg.warmup_steps)
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if warmup > 0 else optim_cfg.lr,
+        max_lr=optim_cfg.lr,
+        min_lr=optim_cfg.min_lr,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=max(total_steps, warmup + 1),
+        lr_decay_style=optim_cfg.lr_decay_style,
+        start_wd=optim_cfg.weight_decay,
+        end_wd=optim_cfg.weight_decay,
+        wd_incr_steps=max(total_steps, 1),
+        wd_incr_style="constant",
+    )

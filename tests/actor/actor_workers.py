@@ -1,0 +1,83 @@
+"""Rank bodies for the actor/critic tests (importable by spawned processes)."""
+from __future__ import annotations
+
+import torch
+
+from rlfactory_megatron.actor.actor import Actor, Critic
+from rlfactory_megatron.actor.batch import RolloutBatch
+from rlfactory_megatron.config import load_config
+from rlfactory_megatron.models.builder import BuildOptions
+from rlfactory_megatron.models.hf_arch import load_arch
+from rlfactory_megatron.runtime.distributed import ParallelSizes, destroy_distributed, init_distributed
+
+
+def make_batch(vocab: int, seed: int = 0, batch_size: int = 6) -> RolloutBatch:
+    """Prompt (no loss) + response with a tool-observation span in the middle (no loss)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([10 + 3 * i for i in range(batch_size)])
+    width = int(lengths.max())
+    input_ids = torch.randint(0, vocab, (batch_size, width), generator=gen)
+    loss_mask = torch.zeros(batch_size, width)
+    for row, n in enumerate(lengths.tolist()):
+        prompt = 4
+        loss_mask[row, prompt:n] = 1
+        loss_mask[row, prompt + 2 : prompt + 4] = 0  # observation tokens
+    return RolloutBatch(input_ids=input_ids, lengths=lengths, loss_mask=loss_mask,
+                        group_ids=torch.arange(batch_size) // 2,
+                        advantages=torch.randn(batch_size, width, generator=gen))
+
+
+def actor_config(**overrides):
+    # adam_eps 1e-4: with the default 1e-8 Adam turns ~1e-10 rounding noise in near-zero gradients
+    # into lr-sized steps, which would make layouts differ by rounding alone.
+    base = {"actor.optim.lr": 1e-3, "actor.optim.adam_eps": 1e-4, "actor.optim.clip_grad": 100.0, "actor.mini_batch_size": 6,
+            "actor.max_tokens_per_microbatch": 64, "actor.kl_loss_coef": 0.1, "actor.entropy_coeff": 0.01}
+    base.update(overrides)
+    return load_config(overrides=[f"{k}={v}" for k, v in base.items()])
+
+
+def update_worker(hf_dir: str, tp: int, pp: int, overrides: dict, perturb_masked: bool = False,
+                  checkpoint: str | None = None, resume_from: str | None = None) -> dict:
+    """Build an actor, compute old/ref log-probs, run one update (+ a second after save/load)."""
+    init_distributed(ParallelSizes(tp, pp), seed=7)
+    try:
+        cfg = actor_config(**overrides)
+        arch = load_arch(hf_dir)
+        actor = Actor(cfg.actor, arch, hf_dir, BuildOptions(), total_steps=10)
+        batch = make_batch(arch.vocab_size)
+        old = actor.compute_log_probs(batch, with_entropy=True)
+        batch = batch.with_fields(old_log_probs=old["log_probs"] - 0.05, ref_log_probs=old["log_probs"] + 0.1)
+        if perturb_masked:
+            junk = torch.randn(batch.input_ids.shape) * 5
+            off = batch.loss_mask == 0
+            batch = batch.with_fields(old_log_probs=torch.where(off, junk, batch.old_log_probs),
+                                      advantages=torch.where(off, junk, batch.advantages),
+                                      ref_log_probs=torch.where(off, junk, batch.ref_log_probs))
+        if resume_from is not None:
+            actor.engine.load(resume_from)
+        metrics = actor.update(batch)
+        if checkpoint is not None:
+            actor.engine.save(checkpoint)
+            metrics = actor.update(batch)
+        weights = dict(actor.engine.iter_hf_weights())
+        return {"metrics": metrics, "weights": weights if torch.distributed.get_rank() == 0 else None,
+                "old_log_probs": old["log_probs"], "entropy": old["entropy"]}
+    finally:
+        destroy_distributed()
+
+
+def critic_worker(hf_dir: str, tp: int, pp: int) -> dict:
+    init_distributed(ParallelSizes(tp, pp), seed=7)
+    try:
+        cfg = actor_config(**{"critic.optim.lr": 1e-4})
+        arch = load_arch(hf_dir)
+        critic = Critic(cfg.critic, cfg.actor, arch, hf_dir, BuildOptions(), total_steps=10)
+        batch = make_batch(arch.vocab_size)
+        values = critic.compute_values(batch)
+        returns = torch.randn(batch.input_ids.shape, generator=torch.Generator().manual_seed(3))
+        batch = batch.with_fields(values=values, returns=returns)
+        metrics = critic.update(batch)
+        after = critic.compute_values(batch)
+        return {"metrics": metrics, "values": values, "after": after}
+    finally:
+        destroy_distributed()
