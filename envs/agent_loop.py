@@ -1,0 +1,127 @@
+"""Multi-turn agent loop, one coroutine per sample: generate -> parse -> run tool calls concurrently ->
+append observation tokens (loss_mask 0) -> generate, until an answer, `max_turns` or the token budget."""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Protocol
+
+from rlfactory_megatron.envs.tool_manager import ToolManager, truncate_observation
+from rlfactory_megatron.envs.tools import ToolResult
+
+RunTool = Callable[[str, dict[str, Any]], Awaitable[ToolResult]]
+
+
+class RolloutEngine(Protocol):
+    async def generate(self, prompt_token_ids: list[int], sampling: dict[str, Any]) -> tuple[list[int], list[float]]: ...
+
+
+@dataclass
+class AgentLoopConfig:
+    max_turns: int = 5
+    max_response_tokens: int = 4096  # everything after the prompt: generated and observation tokens
+    tool_response_max_tokens: int = 512
+
+
+@dataclass
+class ToolCallRecord:
+    name: str
+    arguments: dict[str, Any]
+    observation: str  # what the model saw (after truncation)
+    is_error: bool
+    metadata: dict[str, Any]
+    latency_s: float
+
+
+@dataclass
+class TurnRecord:
+    text: str
+    num_tokens: int
+    content: str
+    tool_calls: list[ToolCallRecord] = field(default_factory=list)
+    parse_errors: list[str] = field(default_factory=list)
+    observation_tokens: int = 0
+    generate_s: float = 0.0
+    tools_s: float = 0.0
+
+
+@dataclass
+class Trajectory:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    loss_mask: list[int]  # 1 on generated tokens, 0 on observation tokens
+    logprobs: list[float]  # rollout log-probs of generated tokens; 0.0 on observation tokens
+    turns: list[TurnRecord]
+    stop_reason: str  # "answer" | "max_turns" | "token_budget"
+
+    @property
+    def final_content(self) -> str:
+        return self.turns[-1].content if self.turns else ""
+
+
+async def run_agent_loop(
+    prompt_ids: list[int],
+    engine: RolloutEngine,
+    manager: ToolManager,
+    run_tool: RunTool,
+    sampling: dict[str, Any],
+    config: AgentLoopConfig,
+) -> Trajectory:
+    """Roll out one sample. `run_tool` is `ToolPool.call` (Ray) or `ToolBox.run` (in process)."""
+    traj = Trajectory(list(prompt_ids), [], [], [], [], stop_reason="max_turns")
+    for turn_index in range(config.max_turns):
+        budget = config.max_response_tokens - len(traj.response_ids)
+        if budget <= 0:
+            traj.stop_reason = "token_budget"
+            break
+        # Same sampling every turn; only the length cap follows the remaining budget.
+        turn_sampling = {**sampling, "max_tokens": min(sampling.get("max_tokens", budget), budget)}
+        start = time.perf_counter()
+        ids, logprobs = await engine.generate(traj.prompt_ids + traj.response_ids, turn_sampling)
+        ids, logprobs = ids[:budget], list(logprobs[:budget])
+        _append(traj, ids, logprobs, trainable=True)
+        text = manager.tokenizer.decode(ids)
+        parsed = manager.parse(text)
+        turn = TurnRecord(text, len(ids), parsed.content, parse_errors=parsed.errors,
+                          generate_s=time.perf_counter() - start)
+        traj.turns.append(turn)
+        if not parsed.tool_calls and not parsed.errors:
+            traj.stop_reason = "answer"
+            break
+        if turn_index == config.max_turns - 1:
+            break  # no turn left to read the results in
+        if len(traj.response_ids) >= config.max_response_tokens:
+            traj.stop_reason = "token_budget"
+            break
+        turn.tool_calls, turn.tools_s = await _run_calls(parsed.tool_calls, run_tool, manager, config)
+        observations = [c.observation for c in turn.tool_calls] + [f"error: {e}" for e in parsed.errors]
+        obs_ids = manager.render_observation(observations)
+        if not manager.ends_turn(text):
+            # The model stopped without closing its turn (stop string or length): close it for it.
+            obs_ids = manager.tokenizer.encode(manager.end_of_turn[0], add_special_tokens=False) + obs_ids
+        if len(traj.response_ids) + len(obs_ids) >= config.max_response_tokens:
+            traj.stop_reason = "token_budget"
+            break
+        _append(traj, obs_ids, [0.0] * len(obs_ids), trainable=False)
+        turn.observation_tokens = len(obs_ids)
+    return traj
+
+
+async def _run_calls(calls: list, run_tool: RunTool, manager: ToolManager, config: AgentLoopConfig) -> tuple[list[ToolCallRecord], float]:
+    async def one(call) -> ToolCallRecord:
+        start = time.perf_counter()
+        result = await run_tool(call.name, call.arguments)
+        observation = truncate_observation(result.text, config.tool_response_max_tokens, manager.tokenizer)
+        return ToolCallRecord(call.name, call.arguments, observation, result.is_error, result.metadata,
+                              time.perf_counter() - start)
+
+    start = time.perf_counter()
+    records = await asyncio.gather(*(one(c) for c in calls))
+    return list(records), time.perf_counter() - start
+
+
+def _append(traj: Trajectory, ids: list[int], logprobs: list[float], trainable: bool) -> None:
+    traj.response_ids += ids
+    traj.loss_mask += [int(trainable)] * len(ids)
+    traj.logprobs += logprobs

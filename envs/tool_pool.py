@@ -1,0 +1,315 @@
+"""Ray tool pool: tools run in CPU Ray actors behind a bounded queue, with per-call timeouts,
+one re-run after an actor death, and per-tool metrics (calls, errors, timeouts, latency percentiles)."""
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import os
+import time
+import uuid
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from rlfactory_megatron.envs.tools import ToolBox, ToolResult, ToolSpec, load_tool_specs, parse_tool_specs
+
+_LATENCY_WINDOW = 100_000
+# Extra wait on the driver beyond the per-call timeout the actor enforces, for Ray transport delays.
+_DRIVER_SLACK_S = 2.0
+_SUBMIT_RETRIES = 3
+_RESTART_POLL_S = 0.1
+
+
+def ensure_ray(num_cpus: int | None = None) -> None:
+    """Join the cluster at RAY_ADDRESS if set, else start a local Ray (call from the leading rank)."""
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS")
+    # "local" so a stray cluster from `ray start` on this host is not silently joined.
+    ray.init(address=address or "local", num_cpus=None if address else num_cpus, include_dashboard=False)
+
+
+@dataclass
+class ToolPoolConfig:
+    tools: list[ToolSpec]
+    num_actors: int = 2
+    num_cpus_per_actor: float = 1.0
+    max_concurrency: int = 64  # calls in flight per actor (async actor); tools must not block its event loop
+    call_timeout_s: float = 30.0
+    max_queue: int = 1024  # calls waiting for a free slot before callers block (backpressure)
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]) -> "ToolPoolConfig":
+        """`tools` is a list of `{class, params}` entries or the path of a YAML file holding one."""
+        config = dict(config)
+        tools = config.pop("tools", [])
+        specs = load_tool_specs(tools) if isinstance(tools, str) else parse_tool_specs(tools)
+        unknown = set(config) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"tool_pool: unknown keys {sorted(unknown)}; valid: {sorted(cls.__dataclass_fields__)}")
+        return cls(tools=specs, **config)
+
+
+class ToolActor:
+    """Holds one ToolBox in a Ray worker. `submit` starts calls and returns at once;
+    `next_results` hands back everything finished since the last poll, so under load one Ray
+    message carries many calls. Tools are built lazily, so a restarted actor rebuilds them."""
+
+    def __init__(self, specs: list[ToolSpec]):
+        self._specs = specs
+        self._box: ToolBox | None = None
+        self._lock = asyncio.Lock()
+        self._finished: asyncio.Queue = asyncio.Queue()
+        # Tells the driver which incarnation accepted a call, to know what a crash lost.
+        self.incarnation = uuid.uuid4().hex
+
+    async def _toolbox(self) -> ToolBox:
+        async with self._lock:
+            if self._box is None:
+                self._box = await ToolBox.build(self._specs)
+        return self._box
+
+    async def schemas(self) -> list[dict[str, Any]]:
+        return (await self._toolbox()).schemas()
+
+    async def pid(self) -> int:
+        return os.getpid()
+
+    async def submit(self, batch: list[tuple[int, str, dict[str, Any]]], timeout_s: float) -> str:
+        box = await self._toolbox()
+        tasks = [asyncio.ensure_future(box.run(name, args)) for _, name, args in batch]
+        # One timer per batch, not per call: its calls started together and share the deadline.
+        timer = asyncio.get_running_loop().call_later(timeout_s, _cancel_all, tasks)
+        unfinished = [len(tasks)]
+        for (rid, name, _), task in zip(batch, tasks):
+            task.add_done_callback(functools.partial(self._done, rid, name, timeout_s, timer, unfinished))
+        return self.incarnation
+
+    def _done(self, rid: int, name: str, timeout_s: float, timer: asyncio.TimerHandle, unfinished: list[int],
+              task: asyncio.Task) -> None:
+        unfinished[0] -= 1
+        if not unfinished[0]:
+            timer.cancel()
+        if task.cancelled():
+            result = ToolResult(f"tool '{name}' timed out after {timeout_s:g}s", {"error_kind": "timeout"}, True)
+        elif task.exception() is not None:
+            exc = task.exception()
+            result = ToolResult(f"tool '{name}' failed: {type(exc).__name__}: {exc}", {"error_kind": "exception"}, True)
+        else:
+            result = task.result()
+        self._finished.put_nowait((rid, result))
+
+    async def next_results(self, seen: str | None) -> tuple[str, list[tuple[int, ToolResult]]]:
+        """Waits for at least one finished call, then returns all finished ones, with this
+        incarnation's id. A driver that has not `seen` this incarnation gets the id at once, so
+        it learns of a restart (and re-runs what died) without waiting for a result."""
+        if seen != self.incarnation:
+            return self.incarnation, []
+        ready = [await self._finished.get()]
+        while not self._finished.empty():
+            ready.append(self._finished.get_nowait())
+        return self.incarnation, ready
+
+
+def _cancel_all(tasks: list[asyncio.Task]) -> None:
+    for task in tasks:
+        task.cancel()
+
+
+@dataclass
+class ToolMetrics:
+    calls: int = 0
+    errors: int = 0
+    timeouts: int = 0
+    actor_deaths: int = 0
+    latencies_s: deque = field(default_factory=lambda: deque(maxlen=_LATENCY_WINDOW))
+
+    def record(self, result: ToolResult, latency_s: float) -> None:
+        self.calls += 1
+        self.errors += int(result.is_error)
+        self.timeouts += int(result.metadata.get("error_kind") == "timeout")
+        self.latencies_s.append(latency_s)
+
+    def summary(self) -> dict[str, float]:
+        ordered = sorted(self.latencies_s)
+
+        def pct(q: float) -> float:
+            return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+        return {
+            "calls": self.calls, "errors": self.errors, "timeouts": self.timeouts, "actor_deaths": self.actor_deaths,
+            "latency_p50_s": pct(0.50), "latency_p90_s": pct(0.90), "latency_p99_s": pct(0.99),
+        }
+
+
+@dataclass
+class _Request:
+    rid: int
+    name: str
+    args: dict[str, Any]
+    done: asyncio.Future
+    started: float = 0.0
+    incarnation: str | None = None  # set once an actor incarnation has accepted the call
+    reruns: int = 0
+
+
+@dataclass
+class _ActorLane:
+    """Driver-side state of one actor: its free call slots and the calls it holds."""
+
+    actor: Any
+    slots: asyncio.Semaphore
+    pending: dict[int, _Request] = field(default_factory=dict)
+    live: str | None = None  # the actor incarnation that last answered
+    dead: set[str] = field(default_factory=set)
+
+
+class ToolPool:
+    """`await pool.call(name, args)` always returns a ToolResult; failures come back as error results.
+
+    One bounded queue feeds a dispatcher per actor, which submits whatever is queued (up to the
+    actor's `max_concurrency` free slots) in one message; a long poll per actor brings results
+    back. Timeouts are enforced per call inside the actor, and by a watchdog here (with a little
+    slack) in case the actor itself stops answering.
+    """
+
+    def __init__(self, config: ToolPoolConfig):
+        ensure_ray()
+        self.config = config
+        # Tool calls run as tasks inside the actor; the driver caps them at max_concurrency per actor.
+        # The actor's own limit leaves room for its result poll and a control call beside that.
+        actor_cls = ray.remote(ToolActor).options(
+            num_cpus=config.num_cpus_per_actor, max_concurrency=config.max_concurrency + 2, max_restarts=-1
+        )
+        self.lanes = [
+            _ActorLane(actor_cls.remote(config.tools), asyncio.Semaphore(config.max_concurrency))
+            for _ in range(config.num_actors)
+        ]
+        self._metrics: dict[str, ToolMetrics] = defaultdict(ToolMetrics)
+        self._queue: asyncio.Queue[_Request] | None = None
+        self._ids = itertools.count()
+        self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def actors(self) -> list[Any]:
+        return [lane.actor for lane in self.lanes]
+
+    async def start(self) -> list[dict[str, Any]]:
+        """Build the tools in every actor (config errors surface here) and return their schemas."""
+        schemas = await asyncio.gather(*(lane.actor.schemas.remote() for lane in self.lanes))
+        self._queue = asyncio.Queue(maxsize=self.config.max_queue)
+        for lane in self.lanes:
+            self._spawn(self._dispatch_loop(lane))
+            self._spawn(self._result_loop(lane))
+        self._spawn(self._watchdog())
+        return schemas[0]
+
+    async def call(self, name: str, args: dict[str, Any]) -> ToolResult:
+        if self._queue is None:
+            raise RuntimeError("ToolPool.call before `await pool.start()`")
+        request = _Request(next(self._ids), name, args, asyncio.get_running_loop().create_future())
+        await self._queue.put(request)  # blocks while the queue is full: backpressure on the agent loop
+        return await request.done
+
+    def metrics(self) -> dict[str, dict[str, float]]:
+        return {name: m.summary() for name, m in self._metrics.items()}
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for lane in self.lanes:
+            ray.kill(lane.actor)
+        self._queue = None
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _dispatch_loop(self, lane: _ActorLane) -> None:
+        while True:
+            batch = [await self._queue.get()]
+            await lane.slots.acquire()
+            while not self._queue.empty() and not lane.slots.locked():
+                await lane.slots.acquire()  # a free slot: returns at once
+                batch.append(self._queue.get_nowait())
+            self._submit(lane, batch)
+
+    def _submit(self, lane: _ActorLane, batch: list[_Request]) -> None:
+        now = time.perf_counter()
+        for request in batch:
+            request.started = request.started or now
+            request.incarnation = None
+            lane.pending[request.rid] = request
+        # Ray re-sends a submit that reached no live actor (e.g. one sent while it restarts); the
+        # calls of an incarnation that died after accepting them are re-run by _rerun_or_fail.
+        ref = lane.actor.submit.options(max_task_retries=_SUBMIT_RETRIES).remote(
+            [(r.rid, r.name, r.args) for r in batch], self.config.call_timeout_s
+        )
+        self._spawn(self._await_acceptance(lane, batch, ref))
+
+    async def _await_acceptance(self, lane: _ActorLane, batch: list[_Request], ref: Any) -> None:
+        try:
+            incarnation = await ref
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+            incarnation = None
+        accepted = [r for r in batch if r.rid in lane.pending]
+        if incarnation is None or incarnation in lane.dead:
+            self._rerun_or_fail(lane, accepted)
+            return
+        for request in accepted:
+            request.incarnation = incarnation
+
+    async def _result_loop(self, lane: _ActorLane) -> None:
+        while True:
+            try:
+                incarnation, ready = await lane.actor.next_results.remote(lane.live)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+                await asyncio.sleep(_RESTART_POLL_S)  # restarting: the next answer names the new incarnation
+                continue
+            if incarnation != lane.live:
+                # A new incarnation answers: calls accepted by any other one died with it.
+                if lane.live is not None:
+                    lane.dead.add(lane.live)
+                lane.live = incarnation
+                lost = [r for r in lane.pending.values() if r.incarnation not in (None, incarnation)]
+                self._rerun_or_fail(lane, lost)
+            for rid, result in ready:
+                request = lane.pending.get(rid)
+                if request is not None:
+                    self._finish(lane, request, result)
+
+    def _rerun_or_fail(self, lane: _ActorLane, lost: list[_Request]) -> None:
+        # Ray restarts the actor (max_restarts=-1); each lost call runs once more on it.
+        rerun = []
+        for request in lost:
+            self._metrics[request.name].actor_deaths += 1
+            if request.reruns == 0:
+                request.reruns = 1
+                rerun.append(request)
+            else:
+                error = f"tool '{request.name}' crashed its worker twice"
+                self._finish(lane, request, ToolResult(error, {"error_kind": "actor_died"}, True))
+        if rerun:
+            self._submit(lane, rerun)
+
+    async def _watchdog(self) -> None:
+        limit = self.config.call_timeout_s + _DRIVER_SLACK_S
+        while True:
+            await asyncio.sleep(min(1.0, limit / 4))
+            now = time.perf_counter()
+            for lane in self.lanes:
+                for request in [r for r in lane.pending.values() if now - r.started > limit]:
+                    error = f"tool '{request.name}' timed out after {self.config.call_timeout_s:g}s (its worker stopped answering)"
+                    self._finish(lane, request, ToolResult(error, {"error_kind": "timeout"}, True))
+
+    def _finish(self, lane: _ActorLane, request: _Request, result: ToolResult) -> None:
+        del lane.pending[request.rid]
+        lane.slots.release()
+        self._metrics[request.name].record(result, time.perf_counter() - request.started)
+        if not request.done.done():
+            request.done.set_result(result)

@@ -1,0 +1,65 @@
+"""Tool registry and YAML tool declarations: `class` (registered name or dotted path) + `params`."""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+TOOL_REGISTRY: dict[str, type] = {}
+
+
+def register_tool(name: str) -> Callable[[type], type]:
+    def add(cls: type) -> type:
+        TOOL_REGISTRY[name] = cls
+        return cls
+
+    return add
+
+
+@dataclass
+class ToolSpec:
+    cls: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+def resolve_tool_class(ref: str) -> type:
+    """A registered name (`calculator`) or a dotted path (`pkg.module.Class` / `pkg.module:Class`)."""
+    _import_builtins()
+    if ref in TOOL_REGISTRY:
+        return TOOL_REGISTRY[ref]
+    module_name, sep, attr = ref.replace(":", ".").rpartition(".")
+    if not sep:
+        raise ValueError(f"unknown tool class '{ref}'; use a registered name ({', '.join(sorted(TOOL_REGISTRY))}) or a dotted path")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"tool class '{ref}' cannot be imported: {exc}") from exc
+
+
+def parse_tool_specs(config: Any) -> list[ToolSpec]:
+    """Accept `{"tools": [...]}` or a bare list; each entry `{class: ..., params: {...}}`."""
+    entries = config.get("tools") if isinstance(config, dict) else config
+    if not isinstance(entries, list):
+        raise ValueError("tool config must be a list under 'tools:', each entry with 'class' and optional 'params'")
+    specs = []
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict) or not isinstance(entry.get("class"), str):
+            raise ValueError(f"tools[{i}]: needs a 'class' (registered tool name or dotted class path), got {entry!r}")
+        params = entry.get("params") or {}
+        if not isinstance(params, dict):
+            raise ValueError(f"tools[{i}].params must be a mapping, got {type(params).__name__}")
+        specs.append(ToolSpec(entry["class"], dict(params)))
+    return specs
+
+
+def load_tool_specs(path: str | Path) -> list[ToolSpec]:
+    with open(path) as f:
+        return parse_tool_specs(yaml.safe_load(f))
+
+
+def _import_builtins() -> None:
+    # Importing the built-in modules runs their @register_tool decorators.
+    from rlfactory_megatron.envs.tools import calculator, diagnostic, mcp_adapter, python_sandbox, search  # noqa: F401
