@@ -1,1 +1,18 @@
 """Rewards: scorers, reward managers, custom reward functions, Ray reward pool."""
+from rlfactory_megatron.rewards.custom import RewardConfigError, RewardFnSpec, load_reward_fn
+from rlfactory_megatron.rewards.managers import REWARD_MANAGERS, build_reward_manager
+from rlfactory_megatron.rewards.records import RewardResult, RewardSample, SampleScore
+from rlfactory_megatron.rewards.scorers import SCORERS, get_scorer
+
+__all__ = [
+    "REWARD_MANAGERS",
+    "SCORERS",
+    "RewardConfigError",
+    "RewardFnSpec",
+    "RewardResult",
+    "RewardSample",
+    "SampleScore",
+    "build_reward_manager",
+    "get_scorer",
+    "load_reward_fn",
+]

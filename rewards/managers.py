@@ -1,0 +1,133 @@
+"""Reward managers (registry): how a batch of samples becomes rewards — per sample, in one
+batched call, in worker processes with a timeout, or with DAPO's overlong penalty."""
+import inspect
+from collections.abc import Callable
+
+from rlfactory_megatron.rewards.custom import RewardConfigError, RewardFnSpec, load_reward_fn
+from rlfactory_megatron.rewards.process_workers import ScoringProcesses
+from rlfactory_megatron.rewards.records import RewardResult, RewardSample
+from rlfactory_megatron.rewards.scoring import score_batch, score_one
+
+# Called with the sample indices a manager is about to score, so a supervisor (the Ray
+# reward pool) can tell which sample is stuck when a call does not come back.
+ProgressHook = Callable[[list[int]], None]
+
+
+def _no_progress(indices: list[int]) -> None:
+    return None
+
+
+class RewardManager:
+    """Turns a batch of samples into a RewardResult; `close()` frees what it holds."""
+
+    def __call__(self, samples: list[RewardSample], on_start: ProgressHook = _no_progress) -> RewardResult:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        return None
+
+
+class NaiveRewardManager(RewardManager):
+    """One reward-function call per sample, in this process; a raising call scores 0."""
+
+    def __init__(self, function: RewardFnSpec) -> None:
+        self.fn = load_reward_fn(function)
+
+    def __call__(self, samples: list[RewardSample], on_start: ProgressHook = _no_progress) -> RewardResult:
+        outcomes = []
+        for index, sample in enumerate(samples):
+            on_start([index])
+            outcomes.append(score_one(self.fn, sample, index))
+        return RewardResult.from_scores(samples, outcomes)
+
+
+class BatchRewardManager(RewardManager):
+    """One call of a batched reward function for the whole batch (for functions that vectorize or call a service)."""
+
+    def __init__(self, function: RewardFnSpec) -> None:
+        self.fn = load_reward_fn(function, batched=True)
+
+    def __call__(self, samples: list[RewardSample], on_start: ProgressHook = _no_progress) -> RewardResult:
+        on_start(list(range(len(samples))))
+        return RewardResult.from_scores(samples, score_batch(self.fn, samples))
+
+
+class PrimeRewardManager(RewardManager):
+    """Per-sample calls spread over worker processes; a sample past `timeout_s` or crashing its process scores 0."""
+
+    def __init__(self, function: RewardFnSpec, num_processes: int = 4, timeout_s: float = 300.0) -> None:
+        if num_processes < 1 or timeout_s <= 0:
+            raise RewardConfigError(
+                "reward.manager_options: prime needs num_processes >= 1 and timeout_s > 0, "
+                f"got num_processes={num_processes}, timeout_s={timeout_s}"
+            )
+        load_reward_fn(function)  # fail here, at start-up, rather than in every worker process
+        self.processes = ScoringProcesses(function, num_processes, timeout_s)
+
+    def __call__(self, samples: list[RewardSample], on_start: ProgressHook = _no_progress) -> RewardResult:
+        return RewardResult.from_scores(samples, self.processes.score(samples))
+
+    def close(self) -> None:
+        self.processes.close()
+
+
+def overlong_penalty(length: int, max_length: int, buffer: int, factor: float) -> float:
+    """DAPO's soft overlong penalty: 0 up to `max_length - buffer` tokens, then linear to `-factor` at `max_length`."""
+    exceeded = length - (max_length - buffer)
+    return min(-exceeded / buffer * factor, 0.0)
+
+
+class DapoRewardManager(NaiveRewardManager):
+    """Per-sample scores plus DAPO's overlong penalty for responses in the last `overlong_buffer_len` tokens."""
+
+    def __init__(
+        self,
+        function: RewardFnSpec,
+        max_response_length: int,
+        overlong_buffer_len: int,
+        overlong_penalty_factor: float = 1.0,
+    ) -> None:
+        if not 0 < overlong_buffer_len <= max_response_length:
+            raise RewardConfigError(
+                "reward.manager_options.overlong_buffer_len: must be in (0, max_response_length="
+                f"{max_response_length}], got {overlong_buffer_len}"
+            )
+        if overlong_penalty_factor < 0:
+            raise RewardConfigError(
+                f"reward.manager_options.overlong_penalty_factor: must be >= 0, got {overlong_penalty_factor}"
+            )
+        super().__init__(function)
+        self.max_response_length = max_response_length
+        self.buffer = overlong_buffer_len
+        self.factor = overlong_penalty_factor
+
+    def __call__(self, samples: list[RewardSample], on_start: ProgressHook = _no_progress) -> RewardResult:
+        result = super().__call__(samples, on_start)
+        for i, length in enumerate(result.response_lengths):
+            penalty = overlong_penalty(length, self.max_response_length, self.buffer, self.factor)
+            result.scores[i] += penalty
+            result.extras[i] = {**result.extras[i], "overlong_reward": penalty, "overlong": float(penalty < 0)}
+        return result
+
+
+REWARD_MANAGERS: dict[str, type[RewardManager]] = {
+    "naive": NaiveRewardManager,
+    "batch": BatchRewardManager,
+    "prime": PrimeRewardManager,
+    "dapo": DapoRewardManager,
+}
+
+
+def build_reward_manager(name: str, function: RewardFnSpec | None = None, **options: object) -> RewardManager:
+    """The manager registered as `name` (config `reward.manager`) with `options` (`reward.manager_options`)."""
+    if name not in REWARD_MANAGERS:
+        raise RewardConfigError(f"reward.manager: unknown {name!r}; choose one of {', '.join(REWARD_MANAGERS)}")
+    cls = REWARD_MANAGERS[name]
+    function = function or RewardFnSpec()
+    try:
+        inspect.signature(cls).bind(function, **options)
+    except TypeError as exc:
+        raise RewardConfigError(
+            f"reward.manager_options: {exc} for the {name!r} manager, which takes {inspect.signature(cls)}"
+        ) from None
+    return cls(function, **options)

@@ -1,0 +1,272 @@
+"""The Ray reward pool: reward managers in CPU Ray actors; `submit(samples)` returns a future.
+
+A sample whose reward function raises, hangs or kills its worker scores 0 with an error;
+the other samples are (re)scored and the pool replaces the dead or stuck worker.
+"""
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import ray
+from ray.actor import ActorHandle
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
+
+from rlfactory_megatron.rewards.custom import RewardFnSpec
+from rlfactory_megatron.rewards.managers import build_reward_manager
+from rlfactory_megatron.rewards.records import RewardResult, RewardSample, SampleScore
+from rlfactory_megatron.rewards.scoring import failed
+
+
+class RewardWorker:
+    """Ray actor body: one reward manager, plus `ready`/`progress` answered from a second thread."""
+
+    def __init__(self, manager: str, function: RewardFnSpec, options: dict) -> None:
+        self.manager = build_reward_manager(manager, function, **options)
+        self._job: int | None = None
+        self._unit: tuple[list[int], float] | None = None
+
+    def score(self, job: int, samples: list[RewardSample]) -> RewardResult:
+        self._job, self._unit = job, None
+        try:
+            return self.manager(samples, on_start=self._started)
+        finally:
+            self._job = None
+
+    def _started(self, indices: list[int]) -> None:
+        self._unit = (indices, time.monotonic())
+
+    @ray.method(concurrency_group="control")
+    def ready(self) -> None:
+        """Answers once the actor is built."""
+
+    @ray.method(concurrency_group="control")
+    def progress(self) -> tuple[int, list[int], float] | None:
+        """(job, sample indices in that job being scored, seconds on them so far), or None when idle/unknown."""
+        if self._job is None or self._unit is None:
+            return None
+        indices, started = self._unit
+        return self._job, indices, time.monotonic() - started
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+@dataclass(eq=False)
+class _Job:
+    seq: int
+    worker: ActorHandle
+    indices: list[int]  # positions in the future's batch
+    ref: ray.ObjectRef
+
+
+@dataclass
+class RewardFuture:
+    """Rewards being computed for one submitted batch; `result()` waits for them.
+
+    When a worker is lost, which of its jobs was to blame is unknown (a threaded actor may
+    run jobs out of order), so its jobs are queued to run again *alone* on a worker: a job
+    that takes down a worker it had to itself is the culprit, and is split down to the sample.
+    """
+
+    pool: "RewardPool"
+    samples: list[RewardSample]
+    jobs: list[_Job]
+    queued: list[list[int]] = field(default_factory=list)  # sample positions waiting for an idle worker
+    outcomes: dict[int, SampleScore] = field(default_factory=dict)
+
+    def done(self) -> bool:
+        """True when every job has finished (failures included) and `result()` would not wait on workers."""
+        refs = [job.ref for job in self.jobs]
+        return not self.queued and (not refs or len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) == len(refs))
+
+    def result(self) -> RewardResult:
+        """Wait for all rewards; supervise workers meanwhile (a stuck sample is killed after its timeout)."""
+        asked: dict[ActorHandle, tuple[ray.ObjectRef, float]] = {}  # progress requests in flight
+        while self.jobs or self.queued:
+            for worker in self.pool._idle_workers():
+                if self.queued:
+                    self.jobs.append(self.pool._dispatch(self.samples, self.queued.pop(0), worker))
+            if not self.jobs:
+                time.sleep(self.pool.poll_s)  # every worker is busy with other futures' jobs
+                continue
+            refs = [job.ref for job in self.jobs]
+            ready = set(ray.wait(refs, num_returns=len(refs), timeout=self.pool.poll_s)[0])
+            for job in [job for job in self.jobs if job.ref in ready]:
+                if job in self.jobs:  # handling an earlier failure may have requeued it
+                    self._finish(job)
+            if self.jobs:
+                self._check_progress(asked)
+        return RewardResult.from_scores(self.samples, [self.outcomes[i] for i in range(len(self.samples))])
+
+    def _finish(self, job: _Job) -> None:
+        try:
+            result = ray.get(job.ref)
+        except RayActorError as exc:
+            self._worker_lost(job.worker, f"reward worker died ({type(exc).__name__}): reward code crashed or exited")
+            return
+        except RayError as exc:  # the manager itself failed on this job; the worker lives on
+            self._drop(job)
+            self._split_or_fail(job.indices, f"reward manager failed: {type(exc).__name__}: {exc}")
+            return
+        self._drop(job)
+        for local, index in enumerate(job.indices):
+            self.outcomes[index] = SampleScore(result.scores[local], result.extras[local], result.errors[local])
+
+    def _check_progress(self, asked: dict[ActorHandle, tuple[ray.ObjectRef, float]]) -> None:
+        # A worker still starting up (new process, imports) is not silent, just not there yet.
+        workers = self.pool._started(list(dict.fromkeys(job.worker for job in self.jobs)))
+        if not workers:
+            return
+        for worker in workers:
+            if worker not in asked:  # a slow answer is still an answer: ask again only after it
+                asked[worker] = (worker.progress.remote(), time.monotonic())
+        refs = [asked[worker][0] for worker in workers]
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=self.pool.poll_s)[0])
+        now = time.monotonic()
+        for worker in workers:
+            ref, sent = asked[worker]
+            if ref not in ready:
+                # No answer even from the control thread: the reward code holds the GIL (or the
+                # process is gone). Give it the timeout, then treat it as lost.
+                if now - sent > self.pool.sample_timeout_s:
+                    self._worker_lost(worker, f"reward worker unresponsive for {self.pool.sample_timeout_s:g}s")
+                continue
+            del asked[worker]
+            try:
+                report = ray.get(ref)
+            except RayError:
+                continue  # died; its jobs' refs report it
+            job = next((j for j in self.jobs if report and j.seq == report[0]), None)
+            if job is not None and report[2] > self.pool.sample_timeout_s * len(report[1]):
+                self._worker_stuck(job, report[1])
+
+    def _worker_stuck(self, job: _Job, unit: list[int]) -> None:
+        """The worker itself reported `unit` (positions in `job`) past its timeout: the culprit is known."""
+        others = [j for j in self.jobs if j.worker is job.worker and j is not job]
+        self.pool._kill(job.worker)
+        for other in others:
+            self._drop(other)
+            self.queued.append(other.indices)
+        self._drop(job)
+        stuck = [job.indices[i] for i in unit]
+        rest = [i for i in job.indices if i not in stuck]
+        if rest:
+            self.queued.append(rest)
+        self._split_or_fail(stuck, f"timed out after {self.pool.sample_timeout_s:g}s per sample")
+
+    def _worker_lost(self, worker: ActorHandle, reason: str) -> None:
+        """The worker died or wedged: a job that had it to itself is the culprit; others run again alone."""
+        ours = [job for job in self.jobs if job.worker is worker]
+        alone = worker not in self.pool._killed and len(ours) == 1 and self.pool._load(worker) == 1
+        self.pool._kill(worker)
+        for job in ours:
+            self._drop(job)
+            if alone:
+                self._split_or_fail(job.indices, reason)
+            else:
+                self.queued.append(job.indices)
+
+    def _split_or_fail(self, indices: list[int], reason: str) -> None:
+        """A single sample fails with `reason`; several are queued one by one to find the culprit."""
+        if len(indices) == 1:
+            self.outcomes[indices[0]] = failed(indices[0], reason)
+        else:
+            self.queued.extend([index] for index in indices)
+
+    def _drop(self, job: _Job) -> None:
+        self.jobs.remove(job)
+        self.pool._release(job)
+
+
+class RewardPool:
+    """`num_workers` CPU Ray actors, each running the `manager` reward manager on `function`.
+
+    The configuration is checked here, in the caller, before any actor starts. A sample
+    whose scoring unit runs past `sample_timeout_s` (per sample in it) or takes its worker
+    down scores a plain 0 (no manager post-processing such as DAPO's penalty). A worker
+    that has not answered `ready` after `start_timeout_s` is supervised like a started one.
+    """
+
+    def __init__(
+        self,
+        manager: str = "naive",
+        function: RewardFnSpec | None = None,
+        manager_options: dict | None = None,
+        num_workers: int = 2,
+        sample_timeout_s: float = 60.0,
+        num_cpus_per_worker: float = 1.0,
+        poll_s: float = 0.2,
+        start_timeout_s: float = 120.0,
+    ) -> None:
+        self.function, self.manager_options = function or RewardFnSpec(), manager_options or {}
+        build_reward_manager(manager, self.function, **self.manager_options).close()
+        self.manager, self.sample_timeout_s, self.poll_s = manager, sample_timeout_s, poll_s
+        self.start_timeout_s = start_timeout_s
+        self._actor = ray.remote(num_cpus=num_cpus_per_worker, max_restarts=0, concurrency_groups={"control": 1})(
+            RewardWorker
+        )
+        self._starting: dict[ActorHandle, tuple[ray.ObjectRef, float]] = {}  # ready request, start time
+        self._inflight: dict[ActorHandle, set[int]] = {}  # job seqs per worker, all futures together
+        self._killed: set[ActorHandle] = set()  # killed for one future; other futures' jobs there are collateral
+        self._workers = [self._start_worker() for _ in range(num_workers)]
+        self._seq = itertools.count()
+        self._next_worker = itertools.cycle(range(num_workers))
+
+    def submit(self, samples: list[RewardSample]) -> RewardFuture:
+        """Start scoring `samples` (split evenly over the workers); returns at once."""
+        chunk = -(-len(samples) // len(self._workers)) or 1
+        positions = list(range(len(samples)))
+        jobs = [self._dispatch(samples, positions[i : i + chunk]) for i in range(0, len(samples), chunk)]
+        return RewardFuture(self, samples, jobs)
+
+    def shutdown(self) -> None:
+        for worker in self._workers:
+            try:
+                ray.get(worker.close.remote(), timeout=10)
+            except (RayError, GetTimeoutError):
+                pass  # already dead or stuck: killing it is all that is left
+            ray.kill(worker, no_restart=True)
+        self._workers = []
+
+    def _start_worker(self) -> ActorHandle:
+        worker = self._actor.remote(self.manager, self.function, self.manager_options)
+        self._starting[worker] = (worker.ready.remote(), time.monotonic())
+        return worker
+
+    def _started(self, workers: list[ActorHandle]) -> list[ActorHandle]:
+        """Those of `workers` that finished starting (or died trying, or have had `start_timeout_s`)."""
+        starting = [w for w in workers if w in self._starting]
+        refs = [self._starting[w][0] for w in starting]
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) if refs else set()
+        now = time.monotonic()
+        for worker in starting:
+            if self._starting[worker][0] in ready or now - self._starting[worker][1] > self.start_timeout_s:
+                del self._starting[worker]
+        return [w for w in workers if w not in self._starting]
+
+    def _idle_workers(self) -> list[ActorHandle]:
+        return [w for w in self._workers if not self._inflight.get(w)]
+
+    def _load(self, worker: ActorHandle) -> int:
+        return len(self._inflight.get(worker, ()))
+
+    def _dispatch(self, samples: list[RewardSample], indices: list[int], worker: ActorHandle | None = None) -> _Job:
+        worker = worker or self._workers[next(self._next_worker)]
+        seq = next(self._seq)
+        self._inflight.setdefault(worker, set()).add(seq)
+        return _Job(seq, worker, indices, worker.score.remote(seq, [samples[i] for i in indices]))
+
+    def _release(self, job: _Job) -> None:
+        jobs = self._inflight.get(job.worker, set())
+        jobs.discard(job.seq)
+        if not jobs and job.worker not in self._workers:  # a replaced worker with nothing left to report
+            self._inflight.pop(job.worker, None)
+            self._killed.discard(job.worker)
+
+    def _kill(self, worker: ActorHandle) -> None:
+        """Kill `worker` and swap in a fresh actor, unless another future already did."""
+        if worker in self._workers:
+            ray.kill(worker, no_restart=True)
+            self._killed.add(worker)
+            self._starting.pop(worker, None)
+            self._workers[self._workers.index(worker)] = self._start_worker()

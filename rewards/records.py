@@ -1,0 +1,66 @@
+"""Records that cross process boundaries: a sample to score, one sample's outcome, a batch result."""
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class RewardSample:
+    """One finished trajectory, as the reward side needs it."""
+
+    data_source: str
+    response: str
+    ground_truth: Any
+    response_length: int = 0  # valid response tokens: where a token-level reward lands, and DAPO's length
+    extra_info: dict = field(default_factory=dict)
+
+
+@dataclass
+class SampleScore:
+    """The outcome of scoring one sample; `error` is set when the reward function failed."""
+
+    score: float
+    extra: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass
+class RewardResult:
+    """Rewards for a batch: sequence-level scores, per-sample extra values and errors."""
+
+    scores: list[float]
+    response_lengths: list[int]
+    extras: list[dict[str, float]]
+    errors: list[str | None]
+
+    @classmethod
+    def from_scores(cls, samples: list[RewardSample], outcomes: list[SampleScore]) -> "RewardResult":
+        return cls(
+            scores=[o.score for o in outcomes],
+            response_lengths=[s.response_length for s in samples],
+            extras=[o.extra for o in outcomes],
+            errors=[o.error for o in outcomes],
+        )
+
+    def token_level(self, width: int) -> "torch.Tensor":
+        """A `[batch, width]` float tensor, zero except each score on its last response token."""
+        # torch stays out of module import: scoring workers never need it and it is slow to load.
+        import torch
+
+        rewards = torch.zeros(len(self.scores), width, dtype=torch.float32)
+        for row, (score, length) in enumerate(zip(self.scores, self.response_lengths, strict=True)):
+            rewards[row, min(max(length, 1), width) - 1] = score
+        return rewards
+
+    def metrics(self, prefix: str = "reward") -> dict[str, float]:
+        """Batch means of the score and of every numeric extra key, plus the error count."""
+        columns: dict[str, list[float]] = {"score": self.scores}
+        for extra in self.extras:
+            for key, value in extra.items():
+                if isinstance(value, (int, float)) and key != "score":
+                    columns.setdefault(key, []).append(float(value))
+        metrics = {f"{prefix}/{key}/mean": sum(v) / len(v) for key, v in columns.items() if v}
+        metrics[f"{prefix}/errors"] = float(sum(e is not None for e in self.errors))
+        return metrics

@@ -1,0 +1,125 @@
+"""The Ray reward pool on a real local Ray: same rewards as in-process, and misbehaving reward code costs one sample."""
+import re
+import time
+
+import pytest
+
+from rlfactory_megatron.rewards import RewardConfigError, RewardFnSpec, RewardSample, build_reward_manager
+from rlfactory_megatron.rewards.pool import RewardPool
+
+TIMEOUT_S = 1.5
+
+
+@pytest.fixture(scope="module")
+def custom_pool(ray_session, reward_fn_file):
+    pool = RewardPool(
+        function=RewardFnSpec(path=str(reward_fn_file), kwargs={"bonus": 0.5}),
+        num_workers=2,
+        sample_timeout_s=TIMEOUT_S,
+        num_cpus_per_worker=0.5,
+        poll_s=0.1,
+    )
+    yield pool
+    pool.shutdown()
+
+
+def _mixed_batch(n: int) -> list[RewardSample]:
+    samples = []
+    for i in range(n):
+        if i % 2:  # every third of these is wrong
+            response = f"so\n#### {i if i % 3 else i + 1}"
+            samples.append(RewardSample("openai/gsm8k", response, str(i), response_length=i % 7 + 1))
+        else:
+            response = f"\\boxed{{\\frac{{{i}}}{{2}}}}"
+            samples.append(RewardSample("lighteval/MATH", response, str(i / 2), response_length=3))
+    return samples
+
+
+def test_pool_matches_in_process_scoring(ray_session):
+    samples = _mixed_batch(40)
+    options = {"max_response_length": 8, "overlong_buffer_len": 4}
+    pool = RewardPool("dapo", manager_options=options, num_workers=2, num_cpus_per_worker=0.5)
+    expected = build_reward_manager("dapo", **options)(samples)
+    try:
+        future = pool.submit(samples)
+        result = future.result()
+    finally:
+        pool.shutdown()
+    assert future.done()
+    assert result.scores == expected.scores
+    assert result.extras == expected.extras
+    assert result.metrics() == expected.metrics()
+    assert 0 < sum(s == 1.0 for s in result.scores) < len(samples)  # the batch has right and wrong answers
+
+
+def test_submit_returns_before_scoring_finishes(custom_pool):
+    samples = [RewardSample("d", "a", "a") for _ in range(8)]
+    started = time.monotonic()
+    futures = [custom_pool.submit(samples), custom_pool.submit(samples[:3])]
+    assert time.monotonic() - started < 0.5
+    assert [f.result().scores for f in futures] == [[1.5] * 8, [1.5] * 3]
+
+
+@pytest.mark.parametrize(
+    "misbehaviour,error",
+    [
+        ("raise", "RuntimeError: reward code failed"),
+        # os._exit kills the actor process; on a loaded machine Ray may report the death
+        # later than the pool's silence timeout, so either diagnosis is right.
+        ("exit", r"reward worker (died|unresponsive)"),
+        ("sleep", r"timed out after 1\.5s"),
+        ("spin", r"timed out after 1\.5s"),  # a Python loop that never returns
+    ],
+    ids=["raise", "exit", "sleep", "spin"],
+)
+def test_misbehaving_sample_costs_only_itself(custom_pool, misbehaviour, error):
+    responses = ["a", "b", "a", misbehaviour, "a", "a", "b", "a"]
+    started = time.monotonic()
+    result = custom_pool.submit([RewardSample("d", r, "a") for r in responses]).result()
+    elapsed = time.monotonic() - started
+    assert result.scores == [1.5, 0.5, 1.5, 0.0, 1.5, 1.5, 0.5, 1.5]
+    assert re.search(error, result.errors[3])
+    assert result.errors[:3] + result.errors[4:] == [None] * 7
+    # Detection within timeout + polling, then the rest is redone on a fresh worker.
+    assert elapsed < TIMEOUT_S + 5.0
+    assert custom_pool.submit([RewardSample("d", "a", "a")]).result().scores == [1.5]  # the pool recovered
+
+
+def test_a_crash_costs_nothing_to_another_batch_in_flight(custom_pool):
+    crashing = custom_pool.submit([RewardSample("d", r, "a") for r in ["a", "exit", "a", "b"]])
+    innocent = custom_pool.submit([RewardSample("d", "a", "a") for _ in range(6)])
+    # Collect the innocent batch first: its jobs die with the crashing worker and must be redone.
+    assert innocent.result().errors == [None] * 6
+    result = crashing.result()
+    assert result.scores == [1.5, 0.0, 1.5, 0.5]
+    assert re.search(r"reward worker (died|unresponsive)", result.errors[1])
+    assert result.errors.count(None) == 3
+
+
+def test_reward_code_holding_the_gil_costs_only_itself(ray_session, tmp_path):
+    path = tmp_path / "regex_reward.py"
+    # Catastrophic backtracking: the regex engine never releases the GIL, so even the
+    # worker's progress thread cannot answer.
+    path.write_text(
+        "import re\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if solution_str == 'regex':\n"
+        "        re.match(r'(a+)+$', 'a' * 64 + 'b')\n"
+        "    return float(solution_str == ground_truth)\n"
+    )
+    pool = RewardPool(
+        function=RewardFnSpec(path=str(path)), num_workers=2, sample_timeout_s=1.0, num_cpus_per_worker=0.5, poll_s=0.1
+    )
+    try:
+        result = pool.submit([RewardSample("d", r, "a") for r in ["a", "regex", "a", "b"]]).result()
+    finally:
+        pool.shutdown()
+    assert result.scores == [1.0, 0.0, 1.0, 0.0]
+    assert "unresponsive" in result.errors[1] and result.errors.count(None) == 3
+
+
+def test_pool_checks_config_before_starting_actors(ray_session, tmp_path):
+    with pytest.raises(RewardConfigError, match="no file at"):
+        RewardPool(function=RewardFnSpec(path=str(tmp_path / "missing.py")))
+    with pytest.raises(RewardConfigError, match="reward.manager: unknown"):
+        RewardPool("fastest")
