@@ -1,0 +1,204 @@
+"""Advantage estimators (GAE, GRPO, Dr.GRPO, RLOO, REINFORCE++), registered by name.
+
+All share one signature so the trainer can call any of them from config:
+`fn(token_rewards [B, L], mask [B, L], *, values, group_index, gamma, lam) -> Advantages`.
+Estimators ignore the inputs they do not use; masked tokens get advantage and return 0,
+and whatever sits on them (rewards, values) never influences valid tokens.
+"""
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from rlfactory_megatron.algorithms.masked import masked_sum, masked_whiten
+from rlfactory_megatron.algorithms.registry import Registry
+
+
+@dataclass
+class Advantages:
+    advantages: torch.Tensor  # [B, L], 0 on masked tokens
+    returns: torch.Tensor  # [B, L], the critic's regression target (= advantages for critic-free estimators)
+
+
+AdvantageEstimator = Callable[..., Advantages]
+ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
+
+GROUP_STD_EPS = 1e-6
+
+
+def _require(value: torch.Tensor | None, name: str, estimator: str) -> torch.Tensor:
+    if value is None:
+        raise ValueError(f"advantage estimator '{estimator}' needs `{name}`")
+    return value
+
+
+def _zero_masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.where(mask.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device))
+
+
+def _broadcast(per_seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return _zero_masked(per_seq[:, None].expand(mask.shape), mask)
+
+
+def _group_stats(scores: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sample (group size, group mean, unbiased group std) of `scores` grouped by `group_index`."""
+    _, inverse = torch.unique(group_index, return_inverse=True)
+    n_groups = int(inverse.max()) + 1
+    size = torch.bincount(inverse, minlength=n_groups).to(scores.dtype)
+    mean = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(0, inverse, scores) / size
+    sq_dev = (scores - mean[inverse]).square()
+    var = torch.zeros_like(mean).index_add_(0, inverse, sq_dev) / (size - 1).clamp(min=1)
+    return size[inverse], mean[inverse], var.sqrt()[inverse]
+
+
+def _reverse_scan(step, mask: torch.Tensor, *carry: torch.Tensor) -> torch.Tensor:
+    """Run `step(t, *carry) -> (output, *new_carry)` from the last token to the first.
+
+    On masked tokens the carry passes through unchanged and the output is 0, so a
+    tool-observation span in the middle of a response is skipped, not a sequence end.
+    """
+    valid = mask.bool()
+    out = torch.zeros(mask.shape, dtype=carry[0].dtype, device=mask.device)
+    for t in reversed(range(mask.shape[1])):
+        output, *new_carry = step(t, *carry)
+        carry = tuple(torch.where(valid[:, t], new, old) for new, old in zip(new_carry, carry))
+        out[:, t] = torch.where(valid[:, t], output, torch.zeros_like(output))
+    return out
+
+
+@ADVANTAGE_ESTIMATORS.register("gae")
+@torch.no_grad()
+def gae(
+    token_rewards: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    values: torch.Tensor | None = None,
+    group_index: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> Advantages:
+    """Generalized advantage estimation over valid tokens; advantages whitened over the batch."""
+    values = _require(values, "values", "gae")
+    rewards, values = _zero_masked(token_rewards, mask), _zero_masked(values, mask)
+    zeros = torch.zeros(mask.shape[0], dtype=values.dtype, device=values.device)
+
+    def step(t, next_value, next_gae):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        gae_t = delta + gamma * lam * next_gae
+        return gae_t, values[:, t], gae_t
+
+    raw = _reverse_scan(step, mask, zeros, zeros)
+    returns = _zero_masked(raw + values, mask)
+    return Advantages(masked_whiten(raw, mask), returns)
+
+
+def _grpo(
+    token_rewards: torch.Tensor, mask: torch.Tensor, group_index: torch.Tensor | None, *, norm_by_std: bool, name: str
+) -> Advantages:
+    group_index = _require(group_index, "group_index", name)
+    scores = masked_sum(token_rewards, mask, dim=-1)
+    size, mean, std = _group_stats(scores, group_index)
+    # A group of one has no baseline: its score is used as is (mean 0, std 1).
+    singleton = size <= 1
+    mean = torch.where(singleton, torch.zeros_like(mean), mean)
+    std = torch.where(singleton, torch.ones_like(std), std)
+    adv = scores - mean
+    if norm_by_std:
+        adv = adv / (std + GROUP_STD_EPS)
+    adv = _broadcast(adv, mask)
+    return Advantages(adv, adv)
+
+
+@ADVANTAGE_ESTIMATORS.register("grpo")
+@torch.no_grad()
+def grpo(
+    token_rewards: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    values: torch.Tensor | None = None,
+    group_index: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> Advantages:
+    """(score - group mean) / (group std + eps), score = sum of the sequence's token rewards."""
+    return _grpo(token_rewards, mask, group_index, norm_by_std=True, name="grpo")
+
+
+@ADVANTAGE_ESTIMATORS.register("drgrpo")
+@torch.no_grad()
+def drgrpo(
+    token_rewards: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    values: torch.Tensor | None = None,
+    group_index: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> Advantages:
+    """Dr.GRPO: score - group mean, without the std division (pair with seq-mean-token-sum-norm)."""
+    return _grpo(token_rewards, mask, group_index, norm_by_std=False, name="drgrpo")
+
+
+@ADVANTAGE_ESTIMATORS.register("rloo")
+@torch.no_grad()
+def rloo(
+    token_rewards: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    values: torch.Tensor | None = None,
+    group_index: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> Advantages:
+    """Leave-one-out baseline: score - mean of the other samples of its group."""
+    group_index = _require(group_index, "group_index", "rloo")
+    scores = masked_sum(token_rewards, mask, dim=-1)
+    size, mean, _ = _group_stats(scores, group_index)
+    others_mean = (mean * size - scores) / (size - 1).clamp(min=1)
+    adv = torch.where(size > 1, scores - others_mean, scores)
+    adv = _broadcast(adv, mask)
+    return Advantages(adv, adv)
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce++")
+@torch.no_grad()
+def reinforce_plus_plus(
+    token_rewards: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    values: torch.Tensor | None = None,
+    group_index: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> Advantages:
+    """Discounted return-to-go of the token rewards, whitened over the batch."""
+    rewards = _zero_masked(token_rewards, mask)
+
+    def step(t, next_return):
+        ret = rewards[:, t] + gamma * next_return
+        return ret, ret
+
+    returns = _reverse_scan(step, mask, torch.zeros(mask.shape[0], dtype=rewards.dtype, device=rewards.device))
+    return Advantages(masked_whiten(returns, mask), returns)
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce++-baseline")
+@torch.no_grad()
+def reinforce_plus_plus_baseline(
+    token_rewards: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    values: torch.Tensor | None = None,
+    group_index: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> Advantages:
+    """score - group mean, broadcast to tokens, then whitened over the batch."""
+    centered = _grpo(token_rewards, mask, group_index, norm_by_std=False, name="reinforce++-baseline").advantages
+    adv = masked_whiten(centered, mask)
+    return Advantages(adv, adv)
+
+
+def compute_advantages(name: str, token_rewards: torch.Tensor, mask: torch.Tensor, **inputs) -> Advantages:
+    """Look up the estimator `name` and run it."""
+    return ADVANTAGE_ESTIMATORS.get(name)(token_rewards, mask, **inputs)
