@@ -1,0 +1,43 @@
+"""Fused log-prob/entropy at tp=2 (two gloo processes, each holding its vocab shard) == naive on the full vocab."""
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+CASES = [
+    # T, V, H, chunk_size, temperature
+    (37, 100, 16, 8, 1.0),
+    (64, 258, 32, 64, 0.7),
+    (101, 1000, 24, 33, 1.0),
+    (5, 64, 8, 100, 1.3),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int) -> None:
+    sys.path.insert(0, str(Path(__file__).parent))  # spawned children re-import this module's helpers
+    from logprob_cases import assert_matches_naive
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        for T, V, H, chunk, temp in CASES:
+            assert_matches_naive(T, V, H, chunk_size=chunk, temperature=temp, tp_group=dist.group.WORLD, rank=rank, world=world)
+        assert_matches_naive(
+            9, 152064, 32, chunk_size=4, tp_group=dist.group.WORLD, rank=rank, world=world, reference_dtype=torch.float64
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_tp2_matches_naive():
+    mp.spawn(_worker, args=(2, _free_port()), nprocs=2, join=True)
