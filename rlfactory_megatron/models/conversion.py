@@ -208,6 +208,26 @@ def _gather_tp(tensor: torch.Tensor, tp: int, group) -> list[torch.Tensor]:
     return shards
 
 
+def _stage_manifests(chunks, arch, source) -> tuple[list, dict]:
+    """Per pipeline stage: the HF names, full shapes and dtypes it owns (collective over PP)."""
+    from megatron.core import parallel_state
+
+    _, tp, _ = _tp()
+    bound = [bp for bp in bind_params(chunks, arch) if bp.export]
+    manifest = [(bp.hf_names, _full_meta(bp, arch, tp, source)) for bp in bound]
+    manifests = [manifest]
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        manifests = [None] * parallel_state.get_pipeline_model_parallel_world_size()
+        dist.all_gather_object(manifests, manifest, group=parallel_state.get_pipeline_model_parallel_group())
+    return manifests, {bp.hf_names: bp for bp in bound}
+
+
+def hf_weight_manifest(chunks: list[torch.nn.Module], arch: ModelArch) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every HF tensor the export will yield, with its full shape and dtype, known on every rank."""
+    manifests, _ = _stage_manifests(chunks, arch, lambda p: p.detach())
+    return {name: meta for stage in manifests for names, metas in stage for name, meta in zip(names, metas)}
+
+
 def iter_hf_tensors(
     chunks: list[torch.nn.Module],
     arch: ModelArch,
@@ -223,17 +243,10 @@ def iter_hf_tensors(
     from megatron.core import parallel_state
 
     _, tp, tp_group = _tp()
-    bound = [bp for bp in bind_params(chunks, arch) if bp.export]
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     pp_group = parallel_state.get_pipeline_model_parallel_group()
-    local = {bp.hf_names: bp for bp in bound}
-    # Every stage learns which stage owns which HF tensors, their shapes and dtypes.
-    manifest = [(bp.hf_names, _full_meta(bp, arch, tp, source)) for bp in bound]
-    manifests = [manifest]
-    if pp > 1:
-        manifests = [None] * pp
-        dist.all_gather_object(manifests, manifest, group=pp_group)
+    manifests, local = _stage_manifests(chunks, arch, source)
     pp_ranks = dist.get_process_group_ranks(pp_group) if pp > 1 else [None]
     for owner, stage_manifest in enumerate(manifests):
         for hf_names, metas in stage_manifest:

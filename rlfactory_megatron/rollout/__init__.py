@@ -1,0 +1,1 @@
+"""Rollout engines (vLLM) and streamed, bucketed weight sync from the Megatron actor."""

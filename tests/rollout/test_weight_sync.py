@@ -1,0 +1,63 @@
+"""Megatron -> vLLM weight sync: exact log-probs after every sync, at every TP/PP split; refused syncs change nothing."""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import rollout_workers  # noqa: E402
+
+from rlfactory_megatron.rollout.weight_sync import WeightSyncError, check_manifest, fused_group, iter_buckets  # noqa: E402
+from rlfactory_megatron.runtime.distributed import spawn_local_workers  # noqa: E402
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_vllm_log_probs_equal_actor_log_probs_after_each_sync(tiny_hf_dirs, tp, pp):
+    # qwen3: tied embeddings (the LM head must follow embed_tokens) and q/k norms. 0.1 MB buckets:
+    # the 2.6 MB model arrives in ~20 loads, so fused groups spanning bucket edges would show here.
+    results = spawn_local_workers(rollout_workers.sync_worker, tp * pp, tiny_hf_dirs["qwen3"], tp, pp, 0.1, 1)
+    report = results[0]
+    before, after = report["max_diff"]
+    assert before <= 1e-3 and after <= 1e-3, report
+    assert report["mean_engine_lp"][0] != report["mean_engine_lp"][1]  # the policy did change
+    sync = report["sync"][0]
+    assert sync["buckets"] > 10 and sync["max_bucket_bytes"] <= 0.1 * 2**20
+
+
+def test_refused_sync_names_the_tensor_and_engine_keeps_serving_old_weights(tiny_hf_dirs):
+    report = spawn_local_workers(rollout_workers.sync_worker, 1, tiny_hf_dirs["llama"], 1, 1, 1.0, 1, True)[0]
+    assert "model.layers.99.mlp.up_proj.weight" in report["sync_error"]
+    assert "missing from the trainer's export" in report["sync_error"]
+    assert report["max_diff_vs_initial"][1] <= 1e-3  # still the initial weights after the refusal
+    assert report["max_diff"][1] > 1e-3  # while the actor has moved on
+
+
+def _named(*specs):
+    return [(name, torch.zeros(numel, dtype=torch.float32)) for name, numel in specs]
+
+
+def test_buckets_respect_the_budget_and_never_split_fused_groups():
+    named = _named(("model.embed_tokens.weight", 100),
+                   ("model.layers.0.self_attn.q_proj.weight", 40), ("model.layers.0.self_attn.k_proj.weight", 20),
+                   ("model.layers.0.self_attn.v_proj.weight", 20), ("model.layers.0.self_attn.q_proj.bias", 4),
+                   ("model.layers.0.mlp.gate_proj.weight", 60), ("model.layers.0.mlp.up_proj.weight", 60),
+                   ("model.layers.0.mlp.down_proj.weight", 60), ("model.norm.weight", 4))
+    buckets = list(iter_buckets(named, bucket_bytes=100 * 4))
+    assert [n for b in buckets for n, _ in b] == [n for n, _ in named]  # order and completeness
+    for bucket in buckets:
+        groups = {fused_group(n) for n, _ in bucket}
+        for group in groups:  # a group is wholly inside one bucket
+            assert all(fused_group(n) != group for other in buckets if other is not bucket for n, _ in other)
+        size = sum(t.numel() * 4 for _, t in bucket)
+        assert size <= 400 or len(groups) == 1  # only a single oversized group may exceed the budget
+    assert fused_group("model.layers.3.self_attn.k_proj.bias") == "model.layers.3.self_attn.qkv"
+
+
+def test_manifest_check_lists_every_difference():
+    with pytest.raises(WeightSyncError) as err:
+        check_manifest({"a": (2, 2), "b": (3,), "extra": (1,)}, {"a": (2, 2), "b": (4,), "lm_head.weight": (5, 2)})
+    message = str(err.value)
+    assert "missing from the trainer's export: lm_head.weight" in message
+    assert "not known to the engine: extra" in message
+    assert "b (trainer [3], engine [4])" in message
