@@ -124,6 +124,7 @@ class SyncStats:
     bytes: int
     buckets: int
     max_bucket_bytes: int
+    transport_seconds: float  # inside transport.send/finish: the engine's loader (+ wire time)
 
     @property
     def gb_per_s(self) -> float:
@@ -150,16 +151,20 @@ def sync_weights(actor_engine, transport: Transport | None, bucket_mb: float, se
         dist.broadcast_object_list(verdict, src=sender_rank)
     if verdict[0] is not None:
         raise WeightSyncError(verdict[0])
-    engine_dtype = None
     total = buckets = biggest = 0
-    for bucket in iter_buckets(actor_engine.iter_hf_weights(dtype=engine_dtype), int(bucket_mb * 2**20)):
+    in_transport = 0.0
+    for bucket in iter_buckets(actor_engine.iter_hf_weights(), int(bucket_mb * 2**20)):
         size = sum(t.numel() * t.element_size() for _, t in bucket)
         total += size
         buckets += 1
         biggest = max(biggest, size)
         if is_sender:
+            sent = time.perf_counter()
             transport.send(bucket)
+            in_transport += time.perf_counter() - sent
     if is_sender:
+        sent = time.perf_counter()
         transport.finish()
-        return SyncStats(time.perf_counter() - start, total, buckets, biggest)
+        in_transport += time.perf_counter() - sent
+        return SyncStats(time.perf_counter() - start, total, buckets, biggest, in_transport)
     return None

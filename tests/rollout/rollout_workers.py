@@ -41,7 +41,24 @@ def _generate_on_leader(engine, sampling):
     return payload[0]
 
 
-def sync_worker(hf_dir: str, tp: int, pp: int, bucket_mb: float, steps: int = 1, break_sync: bool = False) -> dict:
+def _leader_engine(hf_dir: str, ray_address: str | None):
+    """Rank 0's engine and transport: in this process, or in a Ray actor fed by broadcast."""
+    if dist.get_rank() != 0:
+        return None, None
+    if ray_address is None:
+        engine = VLLMEngine(hf_dir, max_model_len=128, max_num_seqs=8)
+        return engine, InProcessTransport(engine)
+    import ray
+
+    from rlfactory_megatron.rollout.ray_engine import BroadcastTransport, RayVLLMEngine
+
+    ray.init(address=ray_address, log_to_driver=False)
+    engine = RayVLLMEngine(hf_dir, max_model_len=128, max_num_seqs=8)
+    return engine, BroadcastTransport(engine)
+
+
+def sync_worker(hf_dir: str, tp: int, pp: int, bucket_mb: float, steps: int = 1, break_sync: bool = False,
+                ray_address: str | None = None) -> dict:
     """Sync actor -> vLLM; compare vLLM's log-probs of its samples with the actor's, before/after updates."""
     init_distributed(ParallelSizes(tp, pp), seed=3)
     try:
@@ -49,8 +66,7 @@ def sync_worker(hf_dir: str, tp: int, pp: int, bucket_mb: float, steps: int = 1,
                                      "actor.max_tokens_per_microbatch=256", "actor.mini_batch_size=16"])
         arch = load_arch(hf_dir)
         actor = Actor(cfg.actor, arch, hf_dir, BuildOptions(), total_steps=10)
-        engine = VLLMEngine(hf_dir, max_model_len=128, max_num_seqs=8) if dist.get_rank() == 0 else None
-        transport = InProcessTransport(engine) if engine is not None else None
+        engine, transport = _leader_engine(hf_dir, ray_address)
         initial = PolicyModel(arch, hf_dir, BuildOptions(), 256) if break_sync else None
         sampling = SamplingConfig(n=2, temperature=1.0, max_tokens=12, seed=11)
         report = {"max_diff": [], "mean_engine_lp": [], "sync": []}
