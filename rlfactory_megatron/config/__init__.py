@@ -13,7 +13,7 @@ DEFAULT_CONFIG = Path(__file__).with_name("default.yaml")
 # Closed sets of values, checked with a message that lists the allowed ones.
 CHOICES: dict[str, tuple] = {
     "model.params_dtype": ("float32", "bfloat16", "float16"),
-    "model.layer_spec": ("auto", "local", "transformer_engine"),
+    "model.layer_spec": ("auto", "local_sdpa", "local", "transformer_engine"),
     "actor.optim.lr_decay_style": ("constant", "linear", "cosine"),
     "critic.optim.lr_decay_style": ("constant", "linear", "cosine"),
     "weight_sync.transport": ("in_process", "broadcast"),

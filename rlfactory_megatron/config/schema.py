@@ -9,7 +9,7 @@ from typing import Any, Optional
 class ModelConfig:
     path: str = "tiny://qwen3"  # HF folder, or tiny://<llama|qwen2|qwen3> for a locally built tiny model
     params_dtype: str = "float32"  # float32 | bfloat16 | float16
-    layer_spec: str = "auto"  # auto | local | transformer_engine
+    layer_spec: str = "auto"  # auto (TE on GPU, local_sdpa on CPU) | local_sdpa | local | transformer_engine
     recompute_activations: bool = False
 
 

@@ -16,10 +16,11 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class BuildOptions:
     params_dtype: str = "float32"
     value_head: bool = False  # critic: a [hidden -> 1] head instead of the LM head
-    layer_spec: str = "auto"  # "auto" | "local" | "transformer_engine"
+    layer_spec: str = "auto"  # "auto" | "local_sdpa" | "local" | "transformer_engine"
     recompute_activations: bool = False
     sequence_parallel: bool = False
     padded_vocab_size: int | None = None  # keep a checkpoint's padding when loading it at another TP
+    output_hidden_states: bool = False  # policy: last stage returns hidden states, not logits (fused log-prob)
 
 
 def _transformer_engine_available() -> bool:
@@ -30,15 +31,18 @@ def _transformer_engine_available() -> bool:
     return True
 
 
+LAYER_SPECS = ("auto", "local_sdpa", "local", "transformer_engine")
+
+
 def resolve_layer_spec(choice: str) -> str:
-    """Local spec on CPU; Transformer-Engine spec on GPU when TE is installed."""
+    """TE spec on GPU when TE is installed; otherwise megatron's local spec with torch's fused attention."""
     if choice == "auto":
-        return "transformer_engine" if cuda_available() and _transformer_engine_available() else "local"
+        return "transformer_engine" if cuda_available() and _transformer_engine_available() else "local_sdpa"
     if choice == "transformer_engine" and not _transformer_engine_available():
         raise ValueError("model.layer_spec=transformer_engine but transformer_engine is not installed "
                          "(install with ./install.sh --gpu, or use model.layer_spec=local)")
-    if choice not in ("local", "transformer_engine"):
-        raise ValueError(f"model.layer_spec must be auto, local or transformer_engine, not '{choice}'")
+    if choice not in LAYER_SPECS:
+        raise ValueError(f"model.layer_spec must be one of {', '.join(LAYER_SPECS)}, not '{choice}'")
     return choice
 
 
@@ -99,6 +103,48 @@ class ValueHead(torch.nn.Module):
         return torch.matmul(hidden_states, self.weight.t()), None
 
 
+class HiddenStatesOutput(torch.nn.Module):
+    """Stands in for megatron's LM output layer and returns its input, the final hidden states, so the
+    loss computes log-probs from them and `lm_output_weight` without materializing [tokens, vocab] logits.
+
+    It takes over the layer's `weight` (None on a tied first stage, where GPTModel passes the embedding)
+    with the same name and TP sharding, so HF conversion and checkpoints do not see the swap.
+    """
+
+    def __init__(self, output_layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.weight = output_layer.weight
+        self.tp_group = output_layer.tp_group
+        self.sequence_parallel = output_layer.sequence_parallel
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            # The full sequence, as the output layer would gather it. Its backward only splits: the
+            # fused log-prob already all-reduces the hidden-state gradient over the TP group.
+            hidden_states = gather_from_sequence_parallel_region(
+                hidden_states, tensor_parallel_output_grad=False, group=self.tp_group
+            )
+        return hidden_states, None
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        # As ColumnParallelLinear's: the weight's rows (the vocab) split across TP ranks.
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True), prefix, {"weight": 0}, sharded_offsets,
+            tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"],
+        )
+
+
+def lm_output_weight(model: torch.nn.Module) -> torch.Tensor:
+    """The [V/tp, H] weight a last-stage GPTModel computes logits with: the embedding when tied."""
+    if model.share_embeddings_and_output_weights:
+        return model.shared_embedding_or_output_weight()
+    return model.output_layer.weight
+
+
 def build_model_chunks(arch: ModelArch, options: BuildOptions = BuildOptions()) -> list[torch.nn.Module]:
     """This rank's model chunks: one GPTModel per virtual pipeline stage (one without interleaving)."""
     from megatron.core import parallel_state
@@ -113,8 +159,13 @@ def build_model_chunks(arch: ModelArch, options: BuildOptions = BuildOptions()) 
     vocab = options.padded_vocab_size or arch.padded_vocab_size(tp)
     if vocab % tp or vocab < arch.vocab_size:
         raise ValueError(f"padded vocab size {vocab} must be >= {arch.vocab_size} and divisible by tp={tp}")
-    if resolve_layer_spec(options.layer_spec) == "local":
+    spec_name = resolve_layer_spec(options.layer_spec)
+    if spec_name.startswith("local"):
         layer_spec = get_gpt_layer_local_spec(qk_layernorm=arch.features.qk_norm, normalization="RMSNorm")
+        if spec_name == "local_sdpa":
+            from rlfactory_megatron.models.sdpa_attention import SDPACoreAttention
+
+            layer_spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     else:
         layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.features.qk_norm)
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
@@ -140,6 +191,8 @@ def build_model_chunks(arch: ModelArch, options: BuildOptions = BuildOptions()) 
         model.rotary_pos_emb.inv_freq = rope_inv_freq(arch).to(model.rotary_pos_emb.inv_freq.device)
         if options.value_head and post:
             model.output_layer = ValueHead(arch.hidden_size, config.params_dtype, config.init_method_std)
+        elif options.output_hidden_states and post:
+            model.output_layer = HiddenStatesOutput(model.output_layer)
         if cuda_available():
             model.cuda(torch.cuda.current_device())
         chunks.append(model)

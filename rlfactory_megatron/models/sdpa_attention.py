@@ -1,0 +1,44 @@
+"""Core attention on torch's fused scaled_dot_product_attention, for megatron's local (non-TE) layer spec.
+
+megatron's local DotProductAttention materializes [b, heads, s, s] scores and softmaxes them in
+Python-level ops; on CPU that costs several times the fused kernel torch ships. Same inputs,
+outputs and masking convention, so it drops into the spec as `core_attention`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+
+class SDPACoreAttention(MegatronModule):
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None) -> None:
+        super().__init__(config=config)
+        if config.context_parallel_size > 1:
+            raise ValueError("SDPACoreAttention does not support context parallelism; use the TE layer spec")
+        self.attn_mask_type = attn_mask_type
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is not None:
+            raise ValueError("packed (THD) sequences need the TE layer spec; the local spec takes a block mask")
+        if attention_bias is not None:
+            raise ValueError("attention_bias is not supported by SDPACoreAttention")
+        # [s, b, heads, dim] -> [b, heads, s, dim]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        mask_type = attn_mask_type or self.attn_mask_type
+        causal = attention_mask is None and mask_type == AttnMaskType.causal and q.shape[2] > 1
+        # megatron's masks mark positions to hide; SDPA's boolean masks mark positions to keep.
+        keep = None if attention_mask is None else ~attention_mask
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=keep, is_causal=causal, scale=self.softmax_scale,
+            dropout_p=self.dropout_p if self.training else 0.0, enable_gqa=q.shape[1] != k.shape[1])
+        b, heads, s, dim = out.shape
+        return out.permute(2, 0, 1, 3).reshape(s, b, heads * dim)
