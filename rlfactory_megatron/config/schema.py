@@ -95,7 +95,10 @@ class ToolsConfig:
 @dataclass
 class RewardConfig:
     scorer: str = "gsm8k"
-    manager: str = "naive"
+    manager: str = "naive"  # naive | batch | prime | dapo
+    # Options of the chosen manager, e.g. dapo: {max_response_length, overlong_buffer_len,
+    # overlong_penalty_factor}; prime: {num_processes}. Checked against the manager's signature.
+    manager_options: dict[str, Any] = field(default_factory=dict)
     custom_function_path: Optional[str] = None
     custom_function_name: Optional[str] = None
     custom_function_kwargs: dict[str, Any] = field(default_factory=dict)
