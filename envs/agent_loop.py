@@ -14,6 +14,8 @@ RunTool = Callable[[str, dict[str, Any]], Awaitable[ToolResult]]
 
 
 class RolloutEngine(Protocol):
+    """Served from a batched engine (e.g. vLLM) by `rlfactory_megatron.rollout.async_engine.AsyncBatchingEngine`."""
+
     async def generate(self, prompt_token_ids: list[int], sampling: dict[str, Any]) -> tuple[list[int], list[float]]: ...
 
 

@@ -1,5 +1,6 @@
 """Ray tool pool: tools run in CPU Ray actors behind a bounded queue, with per-call timeouts,
-one re-run after an actor death, and per-tool metrics (calls, errors, timeouts, latency percentiles)."""
+one re-run after an actor death, per-tool metrics (calls, errors, timeouts, latency percentiles,
+cache hits/misses), and results of cacheable tools answered from / stored in the artifact cache."""
 from __future__ import annotations
 
 import asyncio
@@ -10,11 +11,14 @@ import time
 import uuid
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from rlfactory_megatron.envs.tools import ToolBox, ToolResult, ToolSpec, load_tool_specs, parse_tool_specs
+
+if TYPE_CHECKING:  # tool actors import this module; they need no HDF5
+    from rlfactory_megatron.envs.storage import ToolArtifactCache
 
 _LATENCY_WINDOW = 100_000
 # Extra wait on the driver beyond the per-call timeout the actor enforces, for Ray transport delays.
@@ -40,6 +44,7 @@ class ToolPoolConfig:
     max_concurrency: int = 64  # calls in flight per actor (async actor); tools must not block its event loop
     call_timeout_s: float = 30.0
     max_queue: int = 1024  # calls waiting for a free slot before callers block (backpressure)
+    use_cache: bool = True  # answer cacheable tools from the artifact cache given to the pool, if any
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> "ToolPoolConfig":
@@ -74,6 +79,9 @@ class ToolActor:
 
     async def schemas(self) -> list[dict[str, Any]]:
         return (await self._toolbox()).schemas()
+
+    async def cacheable_tools(self) -> list[str]:
+        return (await self._toolbox()).cacheable_tools()
 
     async def pid(self) -> int:
         return os.getpid()
@@ -121,10 +129,15 @@ def _cancel_all(tasks: list[asyncio.Task]) -> None:
 
 @dataclass
 class ToolMetrics:
+    """`calls` (and errors, timeouts, latencies) count executions in the actors; a cache hit is
+    answered without one and counts only in `cache_hits`. `cache_misses`: lookups that executed."""
+
     calls: int = 0
     errors: int = 0
     timeouts: int = 0
     actor_deaths: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
     latencies_s: deque = field(default_factory=lambda: deque(maxlen=_LATENCY_WINDOW))
 
     def record(self, result: ToolResult, latency_s: float) -> None:
@@ -141,6 +154,7 @@ class ToolMetrics:
 
         return {
             "calls": self.calls, "errors": self.errors, "timeouts": self.timeouts, "actor_deaths": self.actor_deaths,
+            "cache_hits": self.cache_hits, "cache_misses": self.cache_misses,
             "latency_p50_s": pct(0.50), "latency_p90_s": pct(0.90), "latency_p99_s": pct(0.99),
         }
 
@@ -174,11 +188,18 @@ class ToolPool:
     actor's `max_concurrency` free slots) in one message; a long poll per actor brings results
     back. Timeouts are enforced per call inside the actor, and by a watchdog here (with a little
     slack) in case the actor itself stops answering.
+
+    With a `cache` (and `config.use_cache`), calls of cacheable tools are looked up first (a hit
+    runs nothing) and their successful results stored; error results are never cached, since a
+    timeout or crash need not repeat. The owner calls `cache.sync()` at step boundaries, which
+    shares new results with the other ranks; until then they serve this rank's own later calls.
     """
 
-    def __init__(self, config: ToolPoolConfig):
+    def __init__(self, config: ToolPoolConfig, cache: ToolArtifactCache | None = None):
         ensure_ray()
         self.config = config
+        self.cache = cache if config.use_cache else None
+        self._cacheable: frozenset[str] = frozenset()
         # Tool calls run as tasks inside the actor; the driver caps them at max_concurrency per actor.
         # The actor's own limit leaves room for its result poll and a control call beside that.
         actor_cls = ray.remote(ToolActor).options(
@@ -200,6 +221,8 @@ class ToolPool:
     async def start(self) -> list[dict[str, Any]]:
         """Build the tools in every actor (config errors surface here) and return their schemas."""
         schemas = await asyncio.gather(*(lane.actor.schemas.remote() for lane in self.lanes))
+        if self.cache is not None:
+            self._cacheable = frozenset(await self.lanes[0].actor.cacheable_tools.remote())
         self._queue = asyncio.Queue(maxsize=self.config.max_queue)
         for lane in self.lanes:
             self._spawn(self._dispatch_loop(lane))
@@ -210,9 +233,19 @@ class ToolPool:
     async def call(self, name: str, args: dict[str, Any]) -> ToolResult:
         if self._queue is None:
             raise RuntimeError("ToolPool.call before `await pool.start()`")
+        cached = name in self._cacheable
+        if cached:
+            hit = self.cache.get(name, args)
+            if hit is not None:
+                self._metrics[name].cache_hits += 1
+                return ToolResult(hit.value, {**hit.metadata, "cache_hit": True})
+            self._metrics[name].cache_misses += 1
         request = _Request(next(self._ids), name, args, asyncio.get_running_loop().create_future())
         await self._queue.put(request)  # blocks while the queue is full: backpressure on the agent loop
-        return await request.done
+        result = await request.done
+        if cached and not result.is_error:
+            self._store(name, args, result)
+        return result
 
     def metrics(self) -> dict[str, dict[str, float]]:
         return {name: m.summary() for name, m in self._metrics.items()}
@@ -224,6 +257,12 @@ class ToolPool:
         for lane in self.lanes:
             ray.kill(lane.actor)
         self._queue = None
+
+    def _store(self, name: str, args: dict[str, Any], result: ToolResult) -> None:
+        try:
+            self.cache.put(name, args, result.text, metadata=result.metadata)
+        except (TypeError, ValueError):
+            pass  # metadata JSON cannot encode: the result is returned, just not cached
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)

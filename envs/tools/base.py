@@ -23,6 +23,9 @@ class BaseTool(abc.ABC):
     name: str
     description: str
     parameters: dict[str, Any] = {"type": "object", "properties": {}}
+    # Whether equal arguments always give an equal result, so the tool pool may answer from the
+    # artifact cache; tools with side effects or nondeterminism set it False. YAML: `cacheable:`.
+    cacheable: bool = True
 
     @abc.abstractmethod
     async def execute(self, args: dict[str, Any]) -> ToolResult: ...

@@ -9,6 +9,8 @@ from rlfactory_megatron.envs.tools.registry import register_tool
 
 
 class MCPTool(BaseTool):
+    cacheable = False  # a remote tool may have side effects; opt in per server with `cacheable: true`
+
     def __init__(self, toolset: "MCPToolset", remote_name: str, name: str, description: str, parameters: dict[str, Any]):
         self.toolset, self.remote_name = toolset, remote_name
         self.name, self.description = name, description

@@ -60,6 +60,7 @@ def _usable_by_others(path: str) -> bool:
 @register_tool("python")
 class PythonTool(BaseTool):
     name = "python"
+    cacheable = False  # programs may read the clock, draw random numbers or time out by load
     description = "Run a Python 3 program and return what it prints (stdout and stderr). No network access."
     parameters = {
         "type": "object",

@@ -23,6 +23,7 @@ def register_tool(name: str) -> Callable[[type], type]:
 class ToolSpec:
     cls: str
     params: dict[str, Any] = field(default_factory=dict)
+    cacheable: bool | None = None  # None: the tool class's own default
 
 
 def resolve_tool_class(ref: str) -> type:
@@ -40,7 +41,8 @@ def resolve_tool_class(ref: str) -> type:
 
 
 def parse_tool_specs(config: Any) -> list[ToolSpec]:
-    """Accept `{"tools": [...]}` or a bare list; each entry `{class: ..., params: {...}}`."""
+    """Accept `{"tools": [...]}` or a bare list; each entry `{class: ..., params: {...}, cacheable: bool}`
+    (`cacheable` optional: overrides whether the tool pool may answer the tool from the artifact cache)."""
     entries = config.get("tools") if isinstance(config, dict) else config
     if not isinstance(entries, list):
         raise ValueError("tool config must be a list under 'tools:', each entry with 'class' and optional 'params'")
@@ -51,7 +53,13 @@ def parse_tool_specs(config: Any) -> list[ToolSpec]:
         params = entry.get("params") or {}
         if not isinstance(params, dict):
             raise ValueError(f"tools[{i}].params must be a mapping, got {type(params).__name__}")
-        specs.append(ToolSpec(entry["class"], dict(params)))
+        unknown = set(entry) - {"class", "params", "cacheable"}
+        if unknown:
+            raise ValueError(f"tools[{i}]: unknown keys {sorted(unknown)}; valid: class, params, cacheable")
+        cacheable = entry.get("cacheable")
+        if cacheable is not None and not isinstance(cacheable, bool):
+            raise ValueError(f"tools[{i}].cacheable must be true or false, got {cacheable!r}")
+        specs.append(ToolSpec(entry["class"], dict(params), cacheable))
     return specs
 
 

@@ -29,11 +29,16 @@ class ToolBox:
             for tool in built:
                 if tool.name in tools:
                     raise ValueError(f"tools[{i}] ({spec.cls}): tool name '{tool.name}' is declared twice")
+                if spec.cacheable is not None:
+                    tool.cacheable = spec.cacheable
                 tools[tool.name] = tool
         return cls(tools, toolsets)
 
     def schemas(self) -> list[dict[str, Any]]:
         return [tool.schema() for tool in self.tools.values()]
+
+    def cacheable_tools(self) -> list[str]:
+        return [name for name, tool in self.tools.items() if tool.cacheable]
 
     async def run(self, name: str, args: dict[str, Any]) -> ToolResult:
         tool = self.tools.get(name)

@@ -59,6 +59,8 @@ class AsyncBatchingEngine:
     async def generate(self, prompt_token_ids: list[int], sampling: dict[str, Any]) -> tuple[list[int], list[float]]:
         config = sampling_config(sampling)  # bad keys fail in the caller, not in the batch
         if self._worker is None or self._worker.done():
+            # First call, or the previous event loop is gone (and with it its waiting callers).
+            self._pending = []
             self._arrived, self._full = asyncio.Event(), asyncio.Event()
             self._worker = asyncio.create_task(self._serve())
         request = _Request(list(prompt_token_ids), config, asyncio.get_running_loop().create_future())

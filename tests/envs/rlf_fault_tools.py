@@ -1,5 +1,5 @@
-"""Misbehaving tools for the tool-pool tests. Ray workers import this module by name, so the
-session Ray fixture puts this folder on their PYTHONPATH."""
+"""Misbehaving and instrumented tools for the tool-pool tests. Ray workers import this module by
+name, so the session Ray fixture puts this folder on their PYTHONPATH."""
 import asyncio
 import os
 import time
@@ -57,3 +57,18 @@ class CrashingTool(BaseTool):
 
     async def execute(self, args):
         os._exit(1)
+
+
+class CountingTool(BaseTool):
+    name = "counts"
+    description = "echoes its argument with how many times this instance has executed"
+    parameters = {
+        "type": "object", "properties": {"x": {"type": "string"}, "fail": {"type": "boolean"}}, "required": ["x"],
+    }
+
+    def __init__(self, name: str = "counts"):
+        self.name, self.executions = name, 0
+
+    async def execute(self, args):
+        self.executions += 1
+        return ToolResult(f"{args['x']}#{self.executions}", {"execution": self.executions}, args.get("fail", False))
