@@ -1,5 +1,6 @@
 """Suite-wide fixtures: tiny random-weight HF checkpoints built once per session (no downloads)."""
 import os
+from pathlib import Path
 
 import pytest
 
@@ -20,3 +21,19 @@ def tiny_hf_dirs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("tiny_hf")
     return {name: str(make_tiny_hf_model(name, root / name, **kw)) for name, kw in TINY_VARIANTS.items()}
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray for the whole suite (a second ray.init in the same process would fail).
+
+    Ray workers import the envs tests' helper tools by name, hence tests/envs on their path.
+    """
+    import ray
+
+    if not ray.is_initialized():
+        envs_tests = str(Path(__file__).resolve().parent / "envs")
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": envs_tests}})
+    yield ray
+    ray.shutdown()

@@ -1,5 +1,5 @@
 """Small locally trained tokenizers with Qwen- and Llama-3-style chat templates (no hub downloads),
-shared by the envs tests and the vLLM agent-loop test (which imports this folder by path)."""
+for tiny models: the tests, benchmarks and the embedded default."""
 
 SPECIAL_TOKENS = [
     "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
@@ -7,7 +7,7 @@ SPECIAL_TOKENS = [
     "<tool_response>", "</tool_response>",
 ]
 
-# Written for these tests after the shape of Qwen2.5/Qwen3's template: tools listed in the system
+# Written after the shape of Qwen2.5/Qwen3's template: tools listed in the system
 # turn, tool results grouped into one user turn of <tool_response> blocks.
 QWEN_TEMPLATE = (
     "{%- if tools %}"

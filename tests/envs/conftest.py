@@ -1,14 +1,14 @@
-"""Fixtures for the envs tests: a session Ray, and the small Qwen- and Llama-3-style tokenizers of chat_tokenizers.py."""
+"""Fixtures for the envs tests: the small Qwen- and Llama-3-style tokenizers (Ray comes from tests/conftest.py)."""
 import sys
 from pathlib import Path
 
 import pytest
 
 HERE = Path(__file__).resolve().parent
-# Test helper modules of this folder (chat_tokenizers, rlf_fault_tools) import by name, here and in Ray workers.
+# Test helper modules of this folder (rlf_fault_tools) import by name, here and in Ray workers.
 sys.path.insert(0, str(HERE))
 
-from chat_tokenizers import LLAMA3_TEMPLATE, QWEN_TEMPLATE, train_chat_tokenizer  # noqa: E402
+from rlfactory_megatron.models.tiny_tokenizer import LLAMA3_TEMPLATE, QWEN_TEMPLATE, train_chat_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -20,11 +20,3 @@ def qwen_tokenizer():
 def llama3_tokenizer():
     return train_chat_tokenizer(LLAMA3_TEMPLATE, eos="<|eot_id|>", bos="<|begin_of_text|>")
 
-
-@pytest.fixture(scope="session")
-def ray_session():
-    ray = pytest.importorskip("ray")
-    if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": str(HERE)}})
-    yield ray
-    ray.shutdown()

@@ -1,4 +1,4 @@
-"""Fixtures for the rewards tests: a session-wide local Ray and a custom reward-function file."""
+"""Fixtures for the rewards tests: a custom reward-function file (Ray comes from tests/conftest.py)."""
 import textwrap
 from pathlib import Path
 
@@ -37,10 +37,3 @@ def reward_fn_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path.write_text(BEHAVING_FN)
     return path
 
-
-@pytest.fixture(scope="session")
-def ray_session():
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()

@@ -13,21 +13,17 @@ path: vLLM's forward pass and sampler (its log-probs), stop tokens, decoding, th
 the calculator, observation rendering through the chat template.
 """
 import asyncio
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "envs"))
-from chat_tokenizers import QWEN_TEMPLATE, train_chat_tokenizer  # noqa: E402
-
-from rlfactory_megatron.envs.agent_loop import AgentLoopConfig, run_agent_loop  # noqa: E402
-from rlfactory_megatron.envs.tool_manager import get_tool_manager  # noqa: E402
-from rlfactory_megatron.envs.tools import ToolBox, parse_tool_specs  # noqa: E402
-from rlfactory_megatron.rollout.async_engine import AsyncBatchingEngine, sampling_config  # noqa: E402
-from rlfactory_megatron.rollout.engines import Generation  # noqa: E402
+from rlfactory_megatron.envs.agent_loop import AgentLoopConfig, run_agent_loop
+from rlfactory_megatron.envs.tool_manager import get_tool_manager
+from rlfactory_megatron.envs.tools import ToolBox, parse_tool_specs
+from rlfactory_megatron.models.tiny_tokenizer import QWEN_TEMPLATE, train_chat_tokenizer
+from rlfactory_megatron.rollout.async_engine import AsyncBatchingEngine, sampling_config
+from rlfactory_megatron.rollout.engines import Generation
 
 pytestmark = pytest.mark.slow
 

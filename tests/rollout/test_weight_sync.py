@@ -63,15 +63,9 @@ def test_manifest_check_lists_every_difference():
     assert "b (trainer [3], engine [4])" in message
 
 
-def test_broadcast_transport_into_a_vllm_engine_in_a_ray_actor(tiny_hf_dirs):
-    import ray
-
-    context = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        results = spawn_local_workers(rollout_workers.sync_worker, 2, tiny_hf_dirs["qwen3"], 2, 1, 0.5, 1, False,
-                                      context.address_info["address"])
-    finally:
-        ray.shutdown()
+def test_broadcast_transport_into_a_vllm_engine_in_a_ray_actor(tiny_hf_dirs, ray_session):
+    address = ray_session.get_runtime_context().gcs_address
+    results = spawn_local_workers(rollout_workers.sync_worker, 2, tiny_hf_dirs["qwen3"], 2, 1, 0.5, 1, False, address)
     report = results[0]
     assert report["max_diff"][0] <= 1e-3 and report["max_diff"][1] <= 1e-3, report
     assert report["mean_engine_lp"][0] != report["mean_engine_lp"][1]
