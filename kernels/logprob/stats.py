@@ -19,6 +19,12 @@ class SoftmaxStats:
     sum_exp_shifted: torch.Tensor  # [T] sum e^(z - max) * (z - max)
     target_logit: torch.Tensor  # [T] z[target] if target is in this slice, else 0
 
+    @classmethod
+    def empty(cls, tokens: int, device: torch.device) -> "SoftmaxStats":
+        """Stats of a slice with no vocab entries (a TP shard that is all padding): merging it is a no-op."""
+        zeros = torch.zeros(tokens, dtype=torch.float64, device=device)
+        return cls(torch.full_like(zeros, float("-inf")), zeros, zeros, zeros)
+
     def rescaled(self, new_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(s, b) re-expressed relative to `new_max` >= self.max."""
         scale = torch.exp(self.max - new_max)

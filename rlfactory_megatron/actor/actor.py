@@ -7,6 +7,7 @@ change an update; tokens with loss_mask 0 contribute exactly nothing.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -16,7 +17,8 @@ from rlfactory_megatron.actor.batch import MicroBatchPlan, PackedMicroBatch, Rol
 from rlfactory_megatron.actor.engine import MegatronEngine
 from rlfactory_megatron.algorithms import clipped_value_loss, compute_policy_loss, kl_penalty
 from rlfactory_megatron.algorithms.aggregation import aggregate_loss
-from rlfactory_megatron.models.builder import BuildOptions
+from rlfactory_megatron.kernels.logprob import fused_logprob_entropy
+from rlfactory_megatron.models.builder import BuildOptions, lm_output_weight
 from rlfactory_megatron.models.hf_arch import ModelArch
 from rlfactory_megatron.models.logprobs import vocab_parallel_entropy, vocab_parallel_log_probs
 
@@ -78,25 +80,43 @@ def mini_batches(batch: RolloutBatch, size: int) -> list[RolloutBatch]:
 
 
 class PolicyModel:
-    """Log-probs (+ entropy) of a causal LM over packed micro-batches; the actor and the reference."""
+    """Log-probs (+ entropy) of a causal LM over packed micro-batches; the actor and the reference.
+
+    fused_logprob (actor.use_fused_logprob): the model returns its final hidden states and the
+    kernels' fused log-prob computes from them and the output weight, never holding fp32
+    [tokens, vocab] logits; otherwise megatron's vocab-parallel logits go through models.logprobs.
+    """
 
     def __init__(self, arch: ModelArch, hf_dir: str | None, build: BuildOptions, max_tokens: int,
-                 optim_cfg=None, total_steps: int = 1) -> None:
+                 optim_cfg=None, total_steps: int = 1, fused_logprob: bool = True) -> None:
         self.arch = arch
         self.max_tokens = max_tokens
+        self.fused_logprob = fused_logprob
+        build = replace(build, output_hidden_states=fused_logprob)
         self.engine = MegatronEngine(arch, hf_dir, build, optim_cfg, total_steps)
 
-    def _token_outputs(self, mb: PackedMicroBatch, logits: torch.Tensor, entropy: bool) -> dict[str, torch.Tensor]:
-        out = {"log_probs": mb.unpack(vocab_parallel_log_probs(logits, mb.targets, self.arch.vocab_size))}
+    def _token_outputs(self, mb: PackedMicroBatch, output: torch.Tensor, entropy: bool) -> dict[str, torch.Tensor]:
+        """Per-token log-probs (+ entropy) from the last stage's output: hidden states or vocab-parallel logits."""
+        vocab = self.arch.vocab_size  # megatron's padding rows/columns past it get no probability
+        if self.fused_logprob:
+            # This runs on the last pipeline stage, whose last model chunk produced `output`.
+            log_probs, entropies = fused_logprob_entropy(
+                output, lm_output_weight(self.engine.modules()[-1]), mb.targets,
+                tp_group=_parallel().get_tensor_model_parallel_group(), vocab_size=vocab,
+            )
+        else:
+            log_probs = vocab_parallel_log_probs(output, mb.targets, vocab)
+            entropies = vocab_parallel_entropy(output, vocab) if entropy else None
+        out = {"log_probs": mb.unpack(log_probs)}
         if entropy:
-            out["entropy"] = mb.unpack(vocab_parallel_entropy(logits, self.arch.vocab_size))
+            out["entropy"] = mb.unpack(entropies)
         return out
 
     def compute_log_probs(self, batch: RolloutBatch, with_entropy: bool = False) -> dict[str, torch.Tensor]:
         plan = _plan(batch, self.max_tokens)
 
-        def loss_fn(mb: PackedMicroBatch, logits: torch.Tensor):
-            out = self._token_outputs(mb, logits, with_entropy)
+        def loss_fn(mb: PackedMicroBatch, output: torch.Tensor):
+            out = self._token_outputs(mb, output, with_entropy)
             return torch.zeros(()), {"rows": mb.rows, **out}
 
         outputs = self.engine.run(plan, loss_fn, forward_only=True)
@@ -109,7 +129,8 @@ class Actor(PolicyModel):
 
     def __init__(self, actor_cfg, arch: ModelArch, hf_dir: str | None, build: BuildOptions, total_steps: int,
                  norm_length: int | None = None) -> None:
-        super().__init__(arch, hf_dir, build, actor_cfg.max_tokens_per_microbatch, actor_cfg.optim, total_steps)
+        super().__init__(arch, hf_dir, build, actor_cfg.max_tokens_per_microbatch, actor_cfg.optim, total_steps,
+                         fused_logprob=actor_cfg.use_fused_logprob)
         self.cfg = actor_cfg
         self.norm_length = norm_length
 
@@ -118,13 +139,13 @@ class Actor(PolicyModel):
         agg = _agg_options(plan, cfg.loss_agg_mode, self.norm_length)
         need_entropy = cfg.entropy_coeff != 0.0
 
-        def loss_fn(mb: PackedMicroBatch, logits: torch.Tensor):
+        def loss_fn(mb: PackedMicroBatch, output: torch.Tensor):
             if not mb.rows:  # a padding-only micro-batch of a DP rank with fewer cuts
-                return (logits.sum() * 0.0), {"rows": []}
+                return (output.sum() * 0.0), {"rows": []}
             width = mb.gather_index.shape[1]
             rows = mb.rows
             mask = mini.loss_mask[rows, :width]
-            out = self._token_outputs(mb, logits, need_entropy)
+            out = self._token_outputs(mb, output, need_entropy)
             policy = compute_policy_loss(
                 cfg.policy_loss, out["log_probs"], mini.old_log_probs[rows, :width], mini.advantages[rows, :width],
                 mask, clip_low=cfg.clip_ratio_low, clip_high=cfg.clip_ratio_high,
@@ -162,8 +183,6 @@ class Critic:
 
     def __init__(self, critic_cfg, actor_cfg, arch: ModelArch, hf_dir: str | None, build: BuildOptions,
                  total_steps: int) -> None:
-        from dataclasses import replace
-
         self.cfg = critic_cfg
         self.actor_cfg = actor_cfg
         self.max_tokens = actor_cfg.max_tokens_per_microbatch

@@ -15,6 +15,11 @@ def test_matches_naive(T, V, H, chunk_size, temperature):
     assert_matches_naive(T, V, H, chunk_size=chunk_size, temperature=temperature)
 
 
+@pytest.mark.parametrize("T,V,vocab_size,chunk_size", [(37, 128, 100, 8), (16, 64, 1, 5), (20, 512, 500, 32)])
+def test_padded_vocab_rows_get_no_probability(T, V, vocab_size, chunk_size):
+    assert_matches_naive(T, V, 16, chunk_size=chunk_size, vocab_size=vocab_size)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_qwen_sized_vocab_matches_exact(temperature):
     # H >= 16: with fewer output columns, MKL gemm sums the vocab axis term by term (~1e-5 error) on any path.
@@ -52,7 +57,8 @@ def test_extreme_logits_stay_finite():
 
 @pytest.mark.parametrize(
     "kwargs,match",
-    [({"temperature": 0.0}, "temperature"), ({"chunk_size": 0}, "chunk_size"), ({"impl": "cuda"}, "impl")],
+    [({"temperature": 0.0}, "temperature"), ({"chunk_size": 0}, "chunk_size"), ({"impl": "cuda"}, "impl"),
+     ({"vocab_size": 0}, "vocab_size")],
 )
 def test_bad_arguments_are_named(kwargs, match):
     hidden, weight, targets, *_ = make_inputs(4, 10, 8)

@@ -31,6 +31,9 @@ def _worker(rank: int, world: int, port: int) -> None:
     try:
         for T, V, H, chunk, temp in CASES:
             assert_matches_naive(T, V, H, chunk_size=chunk, temperature=temp, tp_group=dist.group.WORLD, rank=rank, world=world)
+        # Padded vocab: rank 1's shard is part padding, then all padding (its stats are empty).
+        for T, V, vocab_size in [(37, 256, 200), (20, 64, 30)]:
+            assert_matches_naive(T, V, 16, chunk_size=8, tp_group=dist.group.WORLD, rank=rank, world=world, vocab_size=vocab_size)
         assert_matches_naive(
             9, 152064, 32, chunk_size=4, tp_group=dist.group.WORLD, rank=rank, world=world, reference_dtype=torch.float64
         )

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 
 CASES = [
-    # T, V, H, chunk_size, temperature: T not a multiple of the tiles or of the chunk
-    (37, 100, 24, 16, 1.0),
-    (20, 70, 16, 7, 0.7),
-    (3, 33, 8, 2, 1.0),
+    # T, V, H, chunk_size, temperature, vocab_size: T not a multiple of the tiles or of the chunk
+    (37, 100, 24, 16, 1.0, None),
+    (20, 70, 16, 7, 0.7, None),
+    (3, 33, 8, 2, 1.0, None),
+    (21, 96, 16, 8, 1.0, 77),  # padded vocab: the kernels see only the first 77 rows
 ]
 
 
@@ -24,9 +25,11 @@ def _compare_all() -> None:
     from logprob_cases import make_inputs, run
     from rlfactory_megatron.kernels import fused_logprob_entropy
 
-    for T, V, H, chunk, temp in CASES:
-        inputs = make_inputs(T, V, H, seed=T)
-        ref, got = (run(fused_logprob_entropy, *inputs, chunk_size=chunk, temperature=temp, impl=impl) for impl in ("torch", "triton"))
+    for T, V, H, chunk, temp, vocab_size in CASES:
+        hidden, weight, targets, g1, g2 = make_inputs(T, V, H, seed=T)
+        inputs = (hidden, weight, targets % (vocab_size or V), g1, g2)
+        ref, got = (run(fused_logprob_entropy, *inputs, chunk_size=chunk, temperature=temp, impl=impl, vocab_size=vocab_size)
+                    for impl in ("torch", "triton"))
         for name, a, b in zip(("logp", "entropy", "grad_hidden", "grad_weight"), got, ref):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name} T={T} V={V}: {m}")
 

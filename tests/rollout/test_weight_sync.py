@@ -22,7 +22,8 @@ def test_vllm_log_probs_equal_actor_log_probs_after_each_sync(tiny_hf_dirs, tp, 
     assert before <= 1e-3 and after <= 1e-3, report
     assert report["mean_engine_lp"][0] != report["mean_engine_lp"][1]  # the policy did change
     sync = report["sync"][0]
-    assert sync["buckets"] > 10 and sync["max_bucket_bytes"] <= 0.1 * 2**20
+    # within budget, except a bucket holding one group larger than the budget (the 256 KiB embedding)
+    assert sync["buckets"] > 10 and sync["max_bucket_bytes"] <= max(0.1 * 2**20, 512 * 128 * 4)
 
 
 def test_refused_sync_names_the_tensor_and_engine_keeps_serving_old_weights(tiny_hf_dirs):
