@@ -177,6 +177,25 @@ class Actor(PolicyModel):
         return _run_updates(self.engine, batch, self.cfg.ppo_epochs, self.cfg.mini_batch_size,
                             self.max_tokens, self._loss_fn, prefix="actor")
 
+    def _sft_loss_fn(self, mini: RolloutBatch, plan: MicroBatchPlan):
+        agg = _agg_options(plan, "token-mean", None)
+
+        def loss_fn(mb: PackedMicroBatch, output: torch.Tensor):
+            if not mb.rows:
+                return output.sum() * 0.0, {"rows": []}
+            width = mb.gather_index.shape[1]
+            mask = mini.loss_mask[mb.rows, :width]
+            nll = aggregate_loss(-self._token_outputs(mb, output, False)["log_probs"], mask, "token-mean", **agg)
+            return _undo_schedule_averaging(nll, plan), {"rows": mb.rows, "sft/loss": nll.detach(),
+                                                         "tokens": mask.sum()}
+
+        return loss_fn
+
+    def sft_update(self, batch: RolloutBatch) -> dict[str, float]:
+        """One supervised step per mini-batch: token-mean NLL of the loss-mask tokens (warm-start)."""
+        return _run_updates(self.engine, batch, 1, self.cfg.mini_batch_size, self.max_tokens,
+                            self._sft_loss_fn, prefix="sft")
+
 
 class Critic:
     """Value model (LM trunk + [hidden -> 1] head) with the clipped value loss."""
@@ -224,7 +243,7 @@ class Critic:
 
 # Loss parts are globally normalized shares (they add up over micro-batches and DP ranks);
 # every other metric is a per-micro-batch mean, averaged weighted by loss tokens.
-_SHARE_METRICS = ("pg_loss", "kl_loss", "entropy", "vf_loss")
+_SHARE_METRICS = ("pg_loss", "kl_loss", "entropy", "vf_loss", "sft/loss")
 
 
 def _run_updates(engine: MegatronEngine, batch: RolloutBatch, epochs: int, mini_size: int, max_tokens: int,

@@ -71,38 +71,6 @@ def _check(hf_dir: str, tp: int, pp: int, vpp: int | None) -> dict:
     return parity_worker([hf_dir], tp, pp, vpp)[0]
 
 
-def _run(fn, world: int, *args) -> list[dict]:
-    """Under a launcher: this process is one rank. Otherwise: start the ranks locally."""
-    from rlfactory_megatron.runtime.distributed import spawn_local_workers
-    from rlfactory_megatron.runtime.launch_env import detect_launch_env
-
-    launch = detect_launch_env()
-    if launch.launcher != "single":
-        if launch.world_size % world:
-            raise SystemExit(f"rlf-convert: launcher world size {launch.world_size} is not a multiple of "
-                             f"tp*pp={world}")
-        return [fn(*args)]
-    if world == 1:
-        return [_single(fn, *args)]
-    from torch.multiprocessing import ProcessRaisedException
-
-    try:
-        return spawn_local_workers(fn, world, *args)
-    except ProcessRaisedException as exc:
-        # Re-raise the worker's own error (its last traceback line) as this command's error.
-        raise ValueError(str(exc).strip().splitlines()[-1].split(": ", 1)[-1]) from None
-
-
-def _single(fn, *args):
-    import os
-
-    from rlfactory_megatron.runtime.launch_env import free_port
-
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(free_port()))
-    return fn(*args)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlf-convert", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -125,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from rlfactory_megatron.config import ConfigError, validate_against_model
+    from rlfactory_megatron.runtime.distributed import run_as_job
     from rlfactory_megatron.models.hf_arch import UnsupportedCheckpointError, load_arch
     from rlfactory_megatron.models.hf_checkpoint import CheckpointError
     from rlfactory_megatron.models.mcore_checkpoint import read_mcore_meta
@@ -137,13 +106,13 @@ def main(argv: list[str] | None = None) -> int:
         validate_against_model(sizes, arch, args.tp * args.pp)
         world = args.tp * args.pp
         if args.command == "hf-to-mcore":
-            _run(_hf_to_mcore, world, args.hf_dir, args.out, args.tp, args.pp, args.vpp)
+            run_as_job(_hf_to_mcore, world, args.hf_dir, args.out, args.tp, args.pp, args.vpp)
             print(f"rlf-convert: wrote Megatron checkpoint (tp={args.tp}, pp={args.pp}) to {args.out}")
         elif args.command == "mcore-to-hf":
-            _run(_mcore_to_hf, world, args.mcore_dir, args.out, args.tp, args.pp, args.vpp)
+            run_as_job(_mcore_to_hf, world, args.mcore_dir, args.out, args.tp, args.pp, args.vpp)
             print(f"rlf-convert: wrote HF checkpoint to {args.out}")
         else:
-            results = _run(_check, world, args.hf_dir, args.tp, args.pp, args.vpp)
+            results = run_as_job(_check, world, args.hf_dir, args.tp, args.pp, args.vpp)
             worst = {k: max(r.get(k, 0.0) for r in results) for k in ("logits_max_diff", "loss_diff", "grad_max_diff")}
             print(json.dumps(worst))
             return 0 if worst["logits_max_diff"] <= 1e-4 and worst["grad_max_diff"] <= 1e-4 else 1

@@ -1,11 +1,30 @@
 """`rlf-train [--config FILE] [key=value ...]`: validate the run, resolve the model, then train.
 
 Config errors and model/parallel mismatches are reported before any process group starts.
+Under torchrun/srun/mpirun every process is one rank; started by hand it runs tp*pp local ranks.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+
+def _train_rank(config_file: str, hf_dir: str) -> dict:
+    from rlfactory_megatron.config import load_config
+    from rlfactory_megatron.runtime.distributed import ParallelSizes, destroy_distributed, init_distributed
+    from rlfactory_megatron.trainer.trainer import Trainer
+
+    cfg = load_config(config_file)
+    init_distributed(ParallelSizes(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp), seed=cfg.trainer.seed)
+    trainer = None
+    try:
+        trainer = Trainer(cfg, hf_dir)
+        return trainer.fit()
+    finally:
+        if trainer is not None:
+            trainer.close()
+        destroy_distributed()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     from rlfactory_megatron.config import ConfigError, load_config, to_yaml, validate_against_model
     from rlfactory_megatron.models.hf_arch import UnsupportedCheckpointError, load_arch
     from rlfactory_megatron.models.resolve import resolve_model_path
+    from rlfactory_megatron.runtime.distributed import run_as_job
     from rlfactory_megatron.runtime.launch_env import detect_launch_env
 
     try:
@@ -30,13 +50,21 @@ def main(argv: list[str] | None = None) -> int:
         launch = detect_launch_env()
         world = launch.world_size if launch.launcher != "single" else cfg.parallel.tp * cfg.parallel.pp
         validate_against_model(cfg, arch, world)
+        output = Path(cfg.trainer.output_dir)
+        output.mkdir(parents=True, exist_ok=True)
+        config_file = output / "config.yaml"  # the run's full config, also what every rank loads
+        if launch.rank == 0:
+            config_file.write_text(to_yaml(cfg))
+        print(f"rlf-train: {cfg.trainer.algorithm} on {arch.model_type} ({arch.num_layers} layers) from {hf_dir}; "
+              f"tp={cfg.parallel.tp} pp={cfg.parallel.pp} on {world} rank(s); outputs in {output.resolve()}")
+        results = run_as_job(_train_rank, cfg.parallel.tp * cfg.parallel.pp, str(config_file), str(hf_dir))
     except (ConfigError, UnsupportedCheckpointError, ValueError) as exc:
         print(f"rlf-train: error: {exc}", file=sys.stderr)
         return 2
-    print(f"rlf-train: config ok; model {arch.model_type} ({arch.num_layers} layers, hidden {arch.hidden_size}) "
-          f"from {hf_dir}; parallel tp={cfg.parallel.tp} pp={cfg.parallel.pp} on {world} rank(s).")
-    print("rlf-train: the RL training loop arrives with the trainer issue; until then use "
-          "`rlf-convert check --hf-dir DIR` to verify the Megatron model against transformers.")
+    if launch.rank == 0:
+        final = results[0] or {}
+        print(f"rlf-train: done. metrics: {output / 'metrics.jsonl'}, TensorBoard: {output / 'tensorboard'}, "
+              f"checkpoints: {output / 'checkpoints'}; last mean reward {final.get('reward/score/mean', float('nan')):.3f}")
     return 0
 
 

@@ -125,6 +125,8 @@ class TrainerConfig:
     keep_last: int = 2
     resume: str = "auto"  # auto | never | <checkpoint dir>
     val_every: int = 5
+    val_prompts: int = 16
+    sft_steps: int = 0  # supervised warm-start steps on the built-in task's demonstrations
     data_path: Optional[str] = None  # parquet/jsonl; None = the built-in tool-use task
 
 

@@ -2,7 +2,8 @@
 
 A micro-batch is a dict with `input_ids` and `position_ids` ([b, s]) plus whatever the
 loss needs; `loss_fn(batch, output) -> (loss, metrics)` runs on the last stage, where
-`output` is the model's vocab-parallel logits (or values for a critic).
+`output` is the model's vocab-parallel logits, its final hidden states (fused log-prob path),
+or values (critic).
 """
 from __future__ import annotations
 

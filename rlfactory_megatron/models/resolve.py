@@ -14,6 +14,17 @@ def cache_root() -> Path:
     return Path(os.environ.get("RLF_CACHE_HOME", Path.home() / ".cache" / "rlfactory_megatron"))
 
 
+def make_tiny_tokenizer(family: str):
+    """A chat tokenizer trained on the built-in task's text, sized to fit the tiny model's vocab."""
+    from rlfactory_megatron.models.tiny_tokenizer import LLAMA3_TEMPLATE, QWEN_TEMPLATE, train_chat_tokenizer
+    from rlfactory_megatron.trainer.tasks import tokenizer_corpus
+
+    if family == "llama":
+        return train_chat_tokenizer(LLAMA3_TEMPLATE, eos="<|eot_id|>", bos="<|begin_of_text|>",
+                                    corpus=tokenizer_corpus(), vocab_size=480)
+    return train_chat_tokenizer(QWEN_TEMPLATE, eos="<|im_end|>", corpus=tokenizer_corpus(), vocab_size=480)
+
+
 def resolve_model_path(path: str) -> Path:
     if path.startswith(TINY_SCHEME):
         family = path[len(TINY_SCHEME):]
@@ -22,6 +33,7 @@ def resolve_model_path(path: str) -> Path:
             # Build beside, then rename: concurrent ranks never see a half-written model.
             staging = target.with_name(f".{family}.{os.getpid()}")
             make_tiny_hf_model(family, staging)
+            make_tiny_tokenizer(family).save_pretrained(staging)
             try:
                 staging.rename(target)
             except OSError:  # another process won the race; its model is identical

@@ -111,3 +111,24 @@ def spawn_local_workers(fn: Callable[..., Any], world_size: int, *args: Any) -> 
             start_method="spawn",
         )
         return [results[r] for r in range(world_size)]
+
+
+def run_as_job(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+    """Under a launcher this process is one rank: run `fn` here. Started by hand: run `world_size`
+    local ranks (in this process when 1). Returns the per-rank results known to this process."""
+    launch = detect_launch_env()
+    if launch.launcher != "single":
+        if launch.world_size % world_size:
+            raise ValueError(f"launcher world size {launch.world_size} is not a multiple of tp*pp={world_size}")
+        return [fn(*args)]
+    if world_size == 1:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+        return [fn(*args)]
+    from torch.multiprocessing import ProcessRaisedException
+
+    try:
+        return spawn_local_workers(fn, world_size, *args)
+    except ProcessRaisedException as exc:
+        # Surface the worker's own error (its last traceback line) as this command's error.
+        raise ValueError(str(exc).strip().splitlines()[-1].split(": ", 1)[-1]) from None

@@ -1,0 +1,80 @@
+"""Prompt records from parquet/jsonl (or a built-in task) and a seeded sampler whose position is checkpointed."""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class PromptRecord:
+    messages: list[dict[str, Any]]  # chat messages of the prompt
+    ground_truth: Any
+    data_source: str = "unknown"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _record(row: dict[str, Any], source: str) -> PromptRecord:
+    prompt = row.get("prompt")
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    if not isinstance(prompt, list) or not prompt:
+        raise ValueError(f"{source}: every row needs a 'prompt' (a string or a list of chat messages)")
+    truth = row.get("ground_truth")
+    if truth is None and isinstance(row.get("reward_model"), dict):  # verl's layout
+        truth = row["reward_model"].get("ground_truth")
+    if truth is None:
+        raise ValueError(f"{source}: a row has no 'ground_truth' (or reward_model.ground_truth)")
+    return PromptRecord([dict(m) for m in prompt], truth, str(row.get("data_source", "unknown")),
+                        dict(row.get("extra_info") or {}))
+
+
+def load_prompts(path: str) -> list[PromptRecord]:
+    """Rows with `prompt`, `ground_truth` (or verl's `reward_model.ground_truth`), optional `data_source`."""
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"trainer.data_path='{path}' does not exist")
+    if file.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(file).to_pylist()
+    elif file.suffix in (".jsonl", ".json"):
+        rows = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+    else:
+        raise ValueError(f"trainer.data_path='{path}': use a .parquet or .jsonl file")
+    return [_record(row, f"{path} row {i}") for i, row in enumerate(rows)]
+
+
+class PromptSampler:
+    """Epochs of seeded permutations; `state_dict` is enough to continue exactly after a restart."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        if size < 1:
+            raise ValueError("the prompt set is empty")
+        self.size, self.seed = size, seed
+        self.epoch, self.position = 0, 0
+        self._order = self._permutation()
+
+    def _permutation(self) -> list[int]:
+        order = list(range(self.size))
+        random.Random(self.seed * 100003 + self.epoch).shuffle(order)
+        return order
+
+    def next(self, count: int) -> list[int]:
+        out = []
+        while len(out) < count:
+            if self.position == self.size:
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._permutation()
+            out.append(self._order[self.position])
+            self.position += 1
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._order = self._permutation()
