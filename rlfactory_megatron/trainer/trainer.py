@@ -269,10 +269,15 @@ class Trainer:
             masks.append(mask)
         ids_list, masks = _broadcast((ids_list, masks))
         batch = _pad_rows(ids_list, masks)
-        for _ in range(self.cfg.trainer.sft_steps):
+        total, start = self.cfg.trainer.sft_steps, time.perf_counter()
+        for done in range(1, total + 1):
             metrics = self.actor.sft_update(batch)
+            if self.is_leader and (done % 10 == 0 or done == total):
+                elapsed = time.perf_counter() - start
+                print(f"sft {done}/{total} | loss {metrics['sft/loss']:.3f} | {done / elapsed:.2f} steps/s "
+                      f"| ETA {int(elapsed / done * (total - done))}s", flush=True)
         if self.is_leader:
-            print(f"rlf-train: SFT warm-start done ({self.cfg.trainer.sft_steps} steps, loss {metrics['sft/loss']:.3f})")
+            print(f"rlf-train: SFT warm-start done ({total} steps, loss {metrics['sft/loss']:.3f})")
         from rlfactory_megatron.rollout.weight_sync import sync_weights
 
         sync_weights(self.actor.engine, self.transport, self.cfg.weight_sync.bucket_mb)
