@@ -14,6 +14,7 @@ the calculator, observation rendering through the chat template.
 """
 import asyncio
 import time
+from pathlib import Path
 
 import pytest
 import torch
