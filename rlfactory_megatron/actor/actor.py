@@ -7,6 +7,7 @@ change an update; tokens with loss_mask 0 contribute exactly nothing.
 from __future__ import annotations
 
 import time
+from functools import partial
 from dataclasses import replace
 from typing import Any
 
@@ -66,12 +67,17 @@ def _from_last_stages(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def _slice(tensor: torch.Tensor, rows: list[int], width: int, device: torch.device) -> torch.Tensor:
+    """The rows of a micro-batch from a [B, T] batch tensor, on the model's device."""
+    return tensor[rows, :width].to(device, non_blocking=True)
+
+
 def gather_token_values(batch: RolloutBatch, outputs: list[dict[str, Any]], key: str) -> torch.Tensor:
     """[B, T] tensor on every rank from the per-micro-batch outputs (each row computed by one DP rank)."""
     result = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
     for out in outputs:
         values = out[key]
-        result[out["rows"], : values.shape[1]] = values.float()
+        result[out["rows"], : values.shape[1]] = values.float().cpu()
     return _from_last_stages(result) * (batch.loss_mask > 0)
 
 
@@ -144,10 +150,11 @@ class Actor(PolicyModel):
                 return (output.sum() * 0.0), {"rows": []}
             width = mb.gather_index.shape[1]
             rows = mb.rows
-            mask = mini.loss_mask[rows, :width]
+            take = partial(_slice, rows=rows, width=width, device=output.device)
+            mask = take(mini.loss_mask)
             out = self._token_outputs(mb, output, need_entropy)
             policy = compute_policy_loss(
-                cfg.policy_loss, out["log_probs"], mini.old_log_probs[rows, :width], mini.advantages[rows, :width],
+                cfg.policy_loss, out["log_probs"], take(mini.old_log_probs), take(mini.advantages),
                 mask, clip_low=cfg.clip_ratio_low, clip_high=cfg.clip_ratio_high,
                 clip_ratio_c=cfg.clip_ratio_c if cfg.policy_loss == "dual-clip" else None,
                 agg_mode=cfg.loss_agg_mode, **agg)
@@ -155,7 +162,7 @@ class Actor(PolicyModel):
             metrics = {f"actor/{k}": v for k, v in policy.metrics.items()}
             metrics["actor/pg_loss"] = policy.loss.detach()
             if cfg.kl_loss_coef > 0:
-                kl = kl_penalty(cfg.kl_penalty, out["log_probs"], mini.ref_log_probs[rows, :width], mask)
+                kl = kl_penalty(cfg.kl_penalty, out["log_probs"], take(mini.ref_log_probs), mask)
                 kl_loss = aggregate_loss(kl, mask, cfg.loss_agg_mode, **agg)
                 loss = loss + cfg.kl_loss_coef * kl_loss
                 metrics["actor/kl_loss"] = kl_loss.detach()
@@ -184,7 +191,7 @@ class Actor(PolicyModel):
             if not mb.rows:
                 return output.sum() * 0.0, {"rows": []}
             width = mb.gather_index.shape[1]
-            mask = mini.loss_mask[mb.rows, :width]
+            mask = _slice(mini.loss_mask, mb.rows, width, output.device)
             nll = aggregate_loss(-self._token_outputs(mb, output, False)["log_probs"], mask, "token-mean", **agg)
             return _undo_schedule_averaging(nll, plan), {"rows": mb.rows, "sft/loss": nll.detach(),
                                                          "tokens": mask.sum()}
@@ -224,12 +231,13 @@ class Critic:
                 return values.sum() * 0.0, {"rows": []}
             width = mb.gather_index.shape[1]
             rows = mb.rows
-            result = clipped_value_loss(mb.unpack(values[..., 0]), mini.values[rows, :width],
-                                        mini.returns[rows, :width], mini.loss_mask[rows, :width],
+            take = partial(_slice, rows=rows, width=width, device=values.device)
+            result = clipped_value_loss(mb.unpack(values[..., 0]), take(mini.values),
+                                        take(mini.returns), take(mini.loss_mask),
                                         clip_range=self.cfg.cliprange_value, agg_mode=mode, **agg)
             metrics = {f"critic/{k}": v for k, v in result.metrics.items()}
             metrics["critic/vf_loss"] = result.loss.detach()
-            metrics["tokens"] = mini.loss_mask[rows, :width].sum()
+            metrics["tokens"] = take(mini.loss_mask).sum()
             return _undo_schedule_averaging(result.loss, plan), {"rows": rows, **metrics}
 
         return loss_fn

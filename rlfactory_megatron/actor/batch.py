@@ -108,9 +108,31 @@ class PackedMicroBatch:
     gather_index: torch.Tensor  # [k, T]: packed position whose output predicts token t of sequence j
     token_valid: torch.Tensor  # [k, T] bool: gather_index is meaningful (1 <= t < length)
 
-    def as_model_batch(self) -> dict[str, Any]:
-        return {"input_ids": self.input_ids, "position_ids": self.position_ids,
-                "attention_mask": self.attention_mask, "packed": self}
+    def as_model_batch(self, thd: bool = False) -> dict[str, Any]:
+        """Model inputs. `thd`: Transformer-Engine attention takes sequence boundaries (cu_seqlens)
+        instead of a block mask; the padded tail counts as one more sequence."""
+        batch = {"input_ids": self.input_ids, "position_ids": self.position_ids, "packed": self}
+        if not thd:
+            batch["attention_mask"] = self.attention_mask
+            return batch
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        starts = (self.position_ids[0] == 0).nonzero().flatten().tolist()
+        used = int(self.token_valid.sum()) + len(self.rows)  # tokens of the packed sequences
+        bounds = [s for s in starts if s < used] + ([used] if used < self.input_ids.shape[1] else [])
+        cu = torch.tensor(bounds + [self.input_ids.shape[1]], dtype=torch.int32, device=self.input_ids.device)
+        longest = int((cu[1:] - cu[:-1]).max())
+        batch["packed_seq_params"] = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                                     max_seqlen_q=longest, max_seqlen_kv=longest)
+        return batch
+
+    def to(self, device: torch.device) -> "PackedMicroBatch":
+        """The same micro-batch with its tensors on `device` (the model's)."""
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, value in moved.items():
+            if isinstance(value, torch.Tensor):
+                moved[name] = value.to(device, non_blocking=True)
+        return PackedMicroBatch(**moved)
 
     def unpack(self, per_position: torch.Tensor) -> torch.Tensor:
         """[1, L] per-position outputs -> [k, T] per-token values (0 where not valid)."""

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from rlfactory_megatron.actor.batch import MicroBatchPlan, PackedMicroBatch
-from rlfactory_megatron.models.builder import BuildOptions, build_model_chunks
+from rlfactory_megatron.models.builder import BuildOptions, build_model_chunks, resolve_layer_spec
 from rlfactory_megatron.models.conversion import iter_hf_tensors, load_hf_weights
 from rlfactory_megatron.models.hf_arch import ModelArch
 from rlfactory_megatron.models.pipeline import forward_backward
@@ -32,6 +32,8 @@ class MegatronEngine:
 
         self.arch = arch
         self.trainable = optim_cfg is not None
+        # TE attention takes packed sequences as cu_seqlens (THD); the local specs take a block mask.
+        self.thd_attention = resolve_layer_spec(build.layer_spec) == "transformer_engine"
         chunks = build_model_chunks(arch, build)
         if hf_dir is not None:
             load_hf_weights(chunks, arch, hf_dir)
@@ -59,7 +61,8 @@ class MegatronEngine:
     # ------------------------------------------------------------------ running micro-batches
     def run(self, plan: MicroBatchPlan, loss_fn: MicroLossFn, forward_only: bool) -> list[dict[str, Any]]:
         """All micro-batches of `plan` through the pipeline; returns metrics (last stage only)."""
-        batches = [mb.as_model_batch() for mb in plan.micro_batches]
+        device = _model_device()
+        batches = [mb.to(device).as_model_batch(thd=self.thd_attention) for mb in plan.micro_batches]
 
         def adapt(batch, output):
             return loss_fn(batch["packed"], output)
@@ -130,6 +133,10 @@ class MegatronEngine:
         if self.trainable:
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
+
+
+def _model_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if cuda_available() else torch.device("cpu")
 
 
 def _build_optimizer(chunks, optim_cfg, distributed_optimizer: bool):

@@ -1,0 +1,39 @@
+"""Packing rows into micro-batches: masks for the local specs, cu_seqlens for Transformer-Engine."""
+import torch
+
+from rlfactory_megatron.actor.batch import RolloutBatch, plan_micro_batches
+
+
+def make_batch():
+    lengths = torch.tensor([5, 3, 4])
+    ids = torch.arange(1, 16).reshape(3, 5)
+    return RolloutBatch(ids, lengths, torch.ones(3, 5))
+
+
+def test_packed_rows_targets_and_block_mask():
+    plan = plan_micro_batches(make_batch(), max_tokens=16, dp_rank=0, dp_size=1)
+    (mb,) = plan.micro_batches
+    assert plan.padded_length == 16 and mb.rows == [0, 1, 2]
+    assert mb.input_ids[0, :12].tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 14]
+    assert mb.targets[0, :5].tolist() == [2, 3, 4, 5, 0]  # the last token of a sequence predicts nothing
+    mask = mb.attention_mask[0, 0]
+    assert not mask[6, 5] and mask[5, 4]  # row 1 attends to itself, never to row 0
+    assert mask[12, 12] == False and mask[12, 11]  # padding attends only to itself  # noqa: E712
+    assert mb.unpack(torch.arange(16.0)[None])[1].tolist() == [0.0, 5.0, 6.0, 0.0, 0.0]
+
+
+def test_thd_inputs_mark_every_sequence_and_the_padded_tail():
+    (mb,) = plan_micro_batches(make_batch(), max_tokens=16, dp_rank=0, dp_size=1).micro_batches
+    batch = mb.as_model_batch(thd=True)
+    params = batch["packed_seq_params"]
+    assert "attention_mask" not in batch and params.qkv_format == "thd"
+    assert params.cu_seqlens_q.tolist() == [0, 5, 8, 12, 16] and params.max_seqlen_q == 5
+
+
+def test_dp_ranks_share_rows_by_tokens_and_run_the_same_number_of_micro_batches():
+    batch = make_batch()
+    plans = [plan_micro_batches(batch, max_tokens=5, dp_rank=r, dp_size=2) for r in range(2)]
+    rows = sorted(r for p in plans for mb in p.micro_batches for r in mb.rows)
+    assert rows == [0, 1, 2]
+    assert len(plans[0].micro_batches) == len(plans[1].micro_batches)
+    assert plans[0].num_tokens == plans[1].num_tokens == int(batch.loss_mask.sum())
