@@ -5,7 +5,7 @@ from rlfactory_megatron.algorithms.entropy import entropy_bonus
 from rlfactory_megatron.algorithms.kl import KL_PENALTIES, kl_penalty
 from rlfactory_megatron.algorithms.masked import masked_mean, masked_sum, masked_whiten
 from rlfactory_megatron.algorithms.policy_losses import POLICY_LOSSES, PolicyLoss, compute_policy_loss
-from rlfactory_megatron.algorithms.registry import Registry
+from rlfactory_megatron.registry import Registry
 from rlfactory_megatron.algorithms.value_loss import ValueLoss, clipped_value_loss
 
 __all__ = [

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from rlfactory_megatron.algorithms.masked import masked_sum, masked_whiten
-from rlfactory_megatron.algorithms.registry import Registry
+from rlfactory_megatron.registry import Registry
 
 
 @dataclass

@@ -4,7 +4,7 @@ from collections.abc import Callable
 import torch
 
 from rlfactory_megatron.algorithms.masked import masked_sum
-from rlfactory_megatron.algorithms.registry import Registry
+from rlfactory_megatron.registry import Registry
 
 LossAggregation = Callable[..., torch.Tensor]
 LOSS_AGGREGATIONS: Registry[LossAggregation] = Registry("loss aggregation mode")

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from rlfactory_megatron.algorithms.registry import Registry
+from rlfactory_megatron.registry import Registry
 
 KLPenalty = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 KL_PENALTIES: Registry[KLPenalty] = Registry("KL penalty")

@@ -11,7 +11,7 @@ import torch
 
 from rlfactory_megatron.algorithms.aggregation import aggregate_loss
 from rlfactory_megatron.algorithms.masked import masked_mean
-from rlfactory_megatron.algorithms.registry import Registry
+from rlfactory_megatron.registry import Registry
 
 # exp() of a larger log-ratio overflows fp32 long before it could be a sensible update.
 MAX_LOG_RATIO = 20.0

@@ -12,6 +12,8 @@ from typing import Callable, Protocol
 
 import torch
 
+from rlfactory_megatron.registry import Registry
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -53,23 +55,14 @@ class RolloutEngine(Protocol):
     def wake_up(self) -> None: ...
 
 
-ROLLOUT_ENGINES: dict[str, Callable[..., RolloutEngine]] = {}
-
-
-def register_engine(name: str):
-    def wrap(cls):
-        ROLLOUT_ENGINES[name] = cls
-        return cls
-    return wrap
+ROLLOUT_ENGINES: Registry[Callable[..., RolloutEngine]] = Registry("rollout engine")
 
 
 def build_engine(name: str, hf_dir: str, **kwargs) -> RolloutEngine:
-    if name not in ROLLOUT_ENGINES:
-        raise ValueError(f"rollout.engine='{name}' is unknown; registered: {', '.join(sorted(ROLLOUT_ENGINES))}")
-    return ROLLOUT_ENGINES[name](hf_dir, **kwargs)
+    return ROLLOUT_ENGINES.get(name)(hf_dir, **kwargs)
 
 
-@register_engine("vllm")
+@ROLLOUT_ENGINES.register("vllm")
 class VLLMEngine:
     """vLLM's in-process engine over token ids (no tokenizer needed), fp32 on CPU by default."""
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from rlfactory_megatron.rollout.engines import Generation, SamplingConfig, VLLMEngine
-from rlfactory_megatron.rollout.weight_sync import Transport, register_transport
+from rlfactory_megatron.rollout.weight_sync import TRANSPORTS, Transport
 
 
 def _pair_group(host: str, port: int, rank: int, backend: str, timeout_s: float):
@@ -91,7 +91,7 @@ class RayVLLMEngine:
         self._ray.kill(self.actor)
 
 
-@register_transport("broadcast")
+@TRANSPORTS.register("broadcast")
 class BroadcastTransport(Transport):
     """Sends buckets from this training rank to a RayVLLMEngine over a dedicated 2-process group."""
 

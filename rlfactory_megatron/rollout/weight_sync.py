@@ -16,6 +16,8 @@ from typing import Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from rlfactory_megatron.registry import Registry
+
 # Tensors vLLM fuses into one parameter must arrive in the same load call.
 _FUSED = (
     (re.compile(r"^(.*\.self_attn)\.[qkv]_proj\.(weight|bias)$"), r"\1.qkv"),
@@ -91,17 +93,10 @@ class Transport:
     def finish(self) -> None: ...
 
 
-TRANSPORTS: dict[str, Callable[..., Transport]] = {}
+TRANSPORTS: Registry[Callable[..., Transport]] = Registry("weight-sync transport")
 
 
-def register_transport(name: str):
-    def wrap(cls):
-        TRANSPORTS[name] = cls
-        return cls
-    return wrap
-
-
-@register_transport("in_process")
+@TRANSPORTS.register("in_process")
 class InProcessTransport(Transport):
     """The engine lives in this process (colocated): buckets go straight to its loader."""
 

@@ -1,4 +1,4 @@
-"""Name -> function registries, one per pluggable kind of RL algorithm."""
+"""Name -> implementation registries: one per pluggable kind (losses, estimators, engines, transports, ...)."""
 from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
@@ -6,7 +6,7 @@ F = TypeVar("F", bound=Callable)
 
 
 class Registry(Generic[F]):
-    """Functions of one kind (e.g. advantage estimators), looked up by the name a config gives."""
+    """Implementations of one kind (e.g. advantage estimators), looked up by the name a config gives."""
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
