@@ -161,6 +161,7 @@ class PythonTool(BaseTool):
             timed_out = True
         finally:
             _kill_group(proc.pid)  # also reaps stragglers the program left behind
+            await _discard_rest(proc)
             exit_code = await proc.wait()
         return bytes(output), exit_code, timed_out, truncated
 
@@ -183,6 +184,21 @@ def _signal_name(number: int) -> str:
         return signal.Signals(number).name
     except ValueError:
         return f"signal {number}"
+
+
+async def _discard_rest(proc: asyncio.subprocess.Process, grace_s: float = 5.0) -> None:
+    """Read the killed program's pipe to EOF. `proc.wait()` returns only once the pipe is closed,
+    and after a truncation the reader stopped with a full buffer, which pauses the pipe: without
+    this, `wait()` can hang forever (it did on a slower machine). A descendant that escaped the
+    kill may hold the pipe open: after `grace_s` we close our end instead."""
+    async def drain() -> None:
+        while await proc.stdout.read(1 << 20):
+            pass
+
+    try:
+        await asyncio.wait_for(drain(), grace_s)
+    except asyncio.TimeoutError:
+        proc._transport.close()  # no public API closes a Process's pipes; stable since Python 3.4
 
 
 def _kill_group(pid: int) -> None:

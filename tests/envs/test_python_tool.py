@@ -79,10 +79,19 @@ def test_environment_is_scrubbed(monkeypatch):
     assert result.text.splitlines()[-1] == "None"
 
 
-def test_output_is_capped():
-    result = run("print('y' * 1_000_000)", max_output_bytes=1000)
-    assert result.metadata["truncated"] and "output truncated at 1000 bytes" in result.text
-    assert len(result.text) < 1200
+@pytest.mark.parametrize("pipe_kb", [None, 1024])
+def test_output_is_capped(pipe_kb):
+    # A 1 MB pipe lets one read take 256 KB, past the reader's buffer limit, which pauses the pipe
+    # (on slow machines this happens by chance): the run must still end.
+    code = "import sys\n"
+    if pipe_kb:
+        code += f"import fcntl\nfcntl.fcntl(1, 1031, {pipe_kb} << 10)  # F_SETPIPE_SZ\n"
+    code += "sys.stdout.write('y' * (1 << 20))\nsys.stdout.flush()"
+    start = time.monotonic()
+    result = run(code, max_output_bytes=1000, memory_mb=1024, wall_timeout_s=20)
+    assert time.monotonic() - start < 15
+    assert result.metadata["truncated"] and not result.metadata["timed_out"]
+    assert "output truncated at 1000 bytes" in result.text and len(result.text) < 1200
 
 
 @pytest.mark.skipif(not sandbox_support().namespaces, reason="`unshare --net` is not permitted on this host")
