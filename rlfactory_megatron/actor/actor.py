@@ -199,8 +199,8 @@ class Actor(PolicyModel):
         return loss_fn
 
     def sft_update(self, batch: RolloutBatch) -> dict[str, float]:
-        """One supervised step per mini-batch: token-mean NLL of the loss-mask tokens (warm-start)."""
-        return _run_updates(self.engine, batch, 1, self.cfg.mini_batch_size, self.max_tokens,
+        """One supervised optimizer step on the whole batch: token-mean NLL of the loss-mask tokens."""
+        return _run_updates(self.engine, batch, 1, batch.batch_size, self.max_tokens,
                             self._sft_loss_fn, prefix="sft")
 
 

@@ -32,12 +32,14 @@ class MegatronEngine:
 
         self.arch = arch
         self.trainable = optim_cfg is not None
-        # TE attention takes packed sequences as cu_seqlens (THD); the local specs take a block mask.
-        self.thd_attention = resolve_layer_spec(build.layer_spec) == "transformer_engine"
+        # Packed sequences go as cu_seqlens (THD) where the attention takes them; megatron's plain
+        # local spec only takes a block-diagonal mask.
+        self.thd_attention = resolve_layer_spec(build.layer_spec) in ("transformer_engine", "local_sdpa")
         chunks = build_model_chunks(arch, build)
         if hf_dir is not None:
             load_hf_weights(chunks, arch, hf_dir)
         self.optimizer = self.scheduler = None
+        self._fixed_lr: float | None = None
         if not self.trainable:
             for chunk in chunks:
                 chunk.requires_grad_(False)
@@ -81,8 +83,11 @@ class MegatronEngine:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = self.run(plan, loss_fn, forward_only=False)
+        if self._fixed_lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = self._fixed_lr * group.get("lr_mult", 1.0)
         updated, grad_norm, _ = self.optimizer.step()
-        if updated:
+        if updated and self._fixed_lr is None:
             self.scheduler.step(increment=1)
         return {
             "outputs": outputs,
@@ -91,6 +96,17 @@ class MegatronEngine:
             "lr": self.optimizer.param_groups[0]["lr"],
             "step_time_s": time.perf_counter() - start,
         }
+
+    @contextlib.contextmanager
+    def fixed_lr(self, lr: float):
+        """Train at `lr` without advancing the LR schedule: a warm-start phase (SFT) before the
+        run's own schedule, which then starts where it would have without the phase."""
+        self._fixed_lr = lr
+        try:
+            yield
+        finally:
+            self._fixed_lr = None
+            self.scheduler.step(increment=0)  # puts the schedule's LR back on the param groups
 
     # ------------------------------------------------------------------ weights and checkpoints
     def modules(self) -> list[torch.nn.Module]:

@@ -2,7 +2,8 @@
 
 megatron's local DotProductAttention materializes [b, heads, s, s] scores and softmaxes them in
 Python-level ops; on CPU that costs several times the fused kernel torch ships. Same inputs,
-outputs and masking convention, so it drops into the spec as `core_attention`.
+outputs and masking convention, so it drops into the spec as `core_attention`. It also takes
+packed THD sequences (cu_seqlens), the layout the actor uses with the TE spec.
 """
 from __future__ import annotations
 
@@ -27,10 +28,10 @@ class SDPACoreAttention(MegatronModule):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        if packed_seq_params is not None:
-            raise ValueError("packed (THD) sequences need the TE layer spec; the local spec takes a block mask")
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported by SDPACoreAttention")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
         # [s, b, heads, dim] -> [b, heads, s, dim]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         mask_type = attn_mask_type or self.attn_mask_type
@@ -42,3 +43,22 @@ class SDPACoreAttention(MegatronModule):
             dropout_p=self.dropout_p if self.training else 0.0, enable_gqa=q.shape[1] != k.shape[1])
         b, heads, s, dim = out.shape
         return out.permute(2, 0, 1, 3).reshape(s, b, heads * dim)
+
+    def _packed(self, query, key, value, params):
+        """THD input ([t, heads, dim], sequences back to back at cu_seqlens): causal attention per
+        sequence. A block-diagonal mask over the whole pack costs (sum of lengths)^2; this costs
+        the sum of squares and allocates no mask."""
+        if params.qkv_format != "thd":
+            raise ValueError(f"SDPACoreAttention: packed qkv_format '{params.qkv_format}' is not supported; use thd")
+        bounds = params.cu_seqlens_q.tolist()
+        if params.cu_seqlens_kv.tolist() != bounds:
+            raise ValueError("SDPACoreAttention: packed sequences need equal query and key/value boundaries")
+        q, k, v = (t.transpose(0, 1) for t in (query, key, value))  # [heads, t, dim]
+        outs = [
+            F.scaled_dot_product_attention(
+                q[:, start:end], k[:, start:end], v[:, start:end], is_causal=end - start > 1, scale=self.softmax_scale,
+                dropout_p=self.dropout_p if self.training else 0.0, enable_gqa=q.shape[0] != k.shape[0])
+            for start, end in zip(bounds[:-1], bounds[1:]) if end > start
+        ]
+        out = torch.cat(outs, dim=1)  # [heads, t, dim]
+        return out.transpose(0, 1).reshape(out.shape[1], -1)
