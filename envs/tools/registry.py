@@ -24,6 +24,7 @@ class ToolSpec:
     cls: str
     params: dict[str, Any] = field(default_factory=dict)
     cacheable: bool | None = None  # None: the tool class's own default
+    description: str | None = None  # None: the tool class's own; else what the model is shown
 
 
 def resolve_tool_class(ref: str) -> type:
@@ -41,8 +42,9 @@ def resolve_tool_class(ref: str) -> type:
 
 
 def parse_tool_specs(config: Any) -> list[ToolSpec]:
-    """Accept `{"tools": [...]}` or a bare list; each entry `{class: ..., params: {...}, cacheable: bool}`
-    (`cacheable` optional: overrides whether the tool pool may answer the tool from the artifact cache)."""
+    """Accept `{"tools": [...]}` or a bare list; each entry `{class: ..., params: {...}, cacheable: bool,
+    description: str}` (`cacheable` optional: overrides whether the tool pool may answer the tool from
+    the artifact cache; `description` optional: replaces the description in the tool's schema)."""
     entries = config.get("tools") if isinstance(config, dict) else config
     if not isinstance(entries, list):
         raise ValueError("tool config must be a list under 'tools:', each entry with 'class' and optional 'params'")
@@ -53,13 +55,16 @@ def parse_tool_specs(config: Any) -> list[ToolSpec]:
         params = entry.get("params") or {}
         if not isinstance(params, dict):
             raise ValueError(f"tools[{i}].params must be a mapping, got {type(params).__name__}")
-        unknown = set(entry) - {"class", "params", "cacheable"}
+        unknown = set(entry) - {"class", "params", "cacheable", "description"}
         if unknown:
-            raise ValueError(f"tools[{i}]: unknown keys {sorted(unknown)}; valid: class, params, cacheable")
+            raise ValueError(f"tools[{i}]: unknown keys {sorted(unknown)}; valid: class, params, cacheable, description")
+        description = entry.get("description")
+        if description is not None and not isinstance(description, str):
+            raise ValueError(f"tools[{i}].description must be a string, got {description!r}")
         cacheable = entry.get("cacheable")
         if cacheable is not None and not isinstance(cacheable, bool):
             raise ValueError(f"tools[{i}].cacheable must be true or false, got {cacheable!r}")
-        specs.append(ToolSpec(entry["class"], dict(params), cacheable))
+        specs.append(ToolSpec(entry["class"], dict(params), cacheable, description))
     return specs
 
 

@@ -31,6 +31,8 @@ class ToolBox:
                     raise ValueError(f"tools[{i}] ({spec.cls}): tool name '{tool.name}' is declared twice")
                 if spec.cacheable is not None:
                     tool.cacheable = spec.cacheable
+                if spec.description is not None:
+                    tool.description = spec.description
                 tools[tool.name] = tool
         return cls(tools, toolsets)
 

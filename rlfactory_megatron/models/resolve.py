@@ -8,27 +8,43 @@ from pathlib import Path
 from rlfactory_megatron.models.tiny import make_tiny_hf_model
 
 TINY_SCHEME = "tiny://"
+TINY_VERSION = "v2"  # bump when the tiny model or tokenizer recipe changes
 
 
 def cache_root() -> Path:
     return Path(os.environ.get("RLF_CACHE_HOME", Path.home() / ".cache" / "rlfactory_megatron"))
 
 
-def make_tiny_tokenizer(family: str):
-    """A chat tokenizer trained on the built-in task's text, sized to fit the tiny model's vocab."""
+def make_tiny_tokenizer(family: str, task: str = "calculator_arithmetic"):
+    """A chat tokenizer trained on the built-in task's text, sized to fit the tiny model's vocab.
+
+    Trained twice: the draft renders the task's whole conversations (tool schemas, role headers,
+    tool responses) through the chat template, and the final one also learns that text, so the
+    template's scaffolding costs few tokens."""
+    import asyncio
+
+    from rlfactory_megatron.envs.tools import ToolBox, parse_tool_specs
     from rlfactory_megatron.models.tiny_tokenizer import LLAMA3_TEMPLATE, QWEN_TEMPLATE, train_chat_tokenizer
-    from rlfactory_megatron.trainer.tasks import tokenizer_corpus
+    from rlfactory_megatron.trainer.tasks import TASKS, tokenizer_corpus
 
     if family == "llama":
-        return train_chat_tokenizer(LLAMA3_TEMPLATE, eos="<|eot_id|>", bos="<|begin_of_text|>",
-                                    corpus=tokenizer_corpus(), vocab_size=480)
-    return train_chat_tokenizer(QWEN_TEMPLATE, eos="<|im_end|>", corpus=tokenizer_corpus(), vocab_size=480)
+        options = dict(chat_template=LLAMA3_TEMPLATE, eos="<|eot_id|>", bos="<|begin_of_text|>", vocab_size=480)
+    else:
+        options = dict(chat_template=QWEN_TEMPLATE, eos="<|im_end|>", vocab_size=480)
+    corpus = tokenizer_corpus(task)
+    draft = train_chat_tokenizer(corpus=corpus, **options)
+    spec = TASKS.get(task)
+    schemas = asyncio.run(ToolBox.build(parse_tool_specs([dict(tool) for tool in spec.tools]))).schemas()
+    rendered = [draft.apply_chat_template(messages + turns, tools=schemas, tokenize=False)
+                for messages, turns in spec.conversations(20, seed=1)]
+    return train_chat_tokenizer(corpus=corpus + rendered, **options)
 
 
 def resolve_model_path(path: str) -> Path:
     if path.startswith(TINY_SCHEME):
         family = path[len(TINY_SCHEME):]
-        target = cache_root() / "tiny" / family
+        # Versioned: a cache built by an older release (another tokenizer) is never picked up.
+        target = cache_root() / "tiny" / f"{family}-{TINY_VERSION}"
         if not (target / "config.json").is_file():
             # Build beside, then rename: concurrent ranks never see a half-written model.
             staging = target.with_name(f".{family}.{os.getpid()}")

@@ -66,13 +66,17 @@ def train_chat_tokenizer(chat_template: str, eos: str, bos: str | None = None, c
                          vocab_size: int = 600, split_words: bool = True):
     """A byte-level BPE tokenizer trained on `corpus` (x20) with SPECIAL_TOKENS as added tokens.
 
+    With `split_words`, every digit is its own token, as in Qwen2/Qwen3's tokenizers: numbers are
+    then copied digit by digit, the same tokens in a prompt, a tool call and a tool response.
     `split_words=False` lets merges cross spaces and punctuation, so a string repeated in the corpus
     can become a single token (a scripted model then emits it in one step)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split_words)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split_words)
+    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                         if split_words else byte_level)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()

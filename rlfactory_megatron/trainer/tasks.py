@@ -1,12 +1,37 @@
-"""Built-in tasks: prompts with ground truth (and demonstrations for an optional SFT warm-start)."""
+"""Built-in tasks: prompts with ground truth, the tools they need, and demonstrations for an
+optional SFT warm-start. `trainer.task` names one when `trainer.data_path` is not given."""
 from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
+from dataclasses import dataclass
 
+from rlfactory_megatron.registry import Registry
 from rlfactory_megatron.trainer.data import PromptRecord
 
-SYSTEM = "Use the calculator tool, then answer with #### and the number."
+
+@dataclass(frozen=True)
+class Task:
+    make_records: Callable[[int, int], list[PromptRecord]]  # (count, seed) -> prompts with ground truth
+    demonstration: Callable[[PromptRecord], list[dict]]  # the assistant/tool turns a good policy produces
+    tools: tuple[dict, ...]  # tool pool entries ({"class": ...}) the task needs
+
+    def records(self, count: int, seed: int) -> list[PromptRecord]:
+        """Prompts with ground truth and their demonstrations attached."""
+        records = self.make_records(count, seed)
+        for record in records:
+            record.demonstration = self.demonstration(record)
+        return records
+
+    def conversations(self, count: int, seed: int) -> list[tuple[list[dict], list[dict]]]:
+        """(prompt messages, demonstration turns) pairs: tokenizer training text."""
+        return [(r.messages, r.demonstration) for r in self.records(count, seed)]
+
+
+TASKS: Registry[Task] = Registry("built-in task")
+
+CALCULATOR_SYSTEM = "Use the calculator tool, then answer with #### and the number."
 
 
 def calculator_arithmetic(count: int, seed: int) -> list[PromptRecord]:
@@ -18,14 +43,15 @@ def calculator_arithmetic(count: int, seed: int) -> list[PromptRecord]:
         op = rng.choice(["+", "-", "*"])
         answer = {"+": a + b, "-": a - b, "*": a * b}[op]
         records.append(PromptRecord(
-            messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"What is {a} {op} {b}?"}],
+            messages=[{"role": "system", "content": CALCULATOR_SYSTEM},
+                      {"role": "user", "content": f"What is {a} {op} {b}?"}],
             ground_truth=str(answer), data_source="calculator_arithmetic",
             extra={"expression": f"{a}{op}{b}"}))
     return records
 
 
 def calculator_demonstration(record: PromptRecord) -> list[dict]:
-    """The assistant/tool turns a good policy produces for `record` (Hermes-style tool call)."""
+    """One Hermes-style calculator call, its result, and the answer line the gsm8k scorer reads."""
     call = json.dumps({"name": "calculator", "arguments": {"expression": record.extra["expression"]}})
     return [
         {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
@@ -34,13 +60,16 @@ def calculator_demonstration(record: PromptRecord) -> list[dict]:
     ]
 
 
-def tokenizer_corpus(seed: int = 0) -> list[str]:
-    """Text the tiny tokenizer is trained on, so the task's strings are few tokens."""
-    corpus = [SYSTEM, "<tool_call>", "</tool_call>", '{"name": "calculator", "arguments": {"expression": "']
-    for record in calculator_arithmetic(200, seed):
-        corpus.append(record.messages[1]["content"])
-        corpus.extend(turn["content"] for turn in calculator_demonstration(record))
+# A short tool description: the tiny model reads the whole schema in every prompt.
+TASKS.register("calculator_arithmetic", Task(calculator_arithmetic, calculator_demonstration, tools=(
+    {"class": "calculator", "description": "Evaluate an arithmetic expression."},)))
+
+
+def tokenizer_corpus(task: str = "calculator_arithmetic", seed: int = 0) -> list[str]:
+    """The task's own text, so that a tokenizer trained on it keeps prompts and answers short.
+    Whole rendered conversations are added by the tokenizer builder (they need a chat template)."""
+    corpus = []
+    for messages, turns in TASKS.get(task).conversations(200, seed):
+        corpus.extend(m["content"] for m in messages)
+        corpus.extend(turn["content"] for turn in turns)
     return corpus
-
-
-BUILTIN_TASKS = {"calculator_arithmetic": calculator_arithmetic}

@@ -132,3 +132,12 @@ def test_bad_tool_config_names_the_entry(config, message):
 def test_bad_tool_declarations_fail_before_use(entries, message):
     with pytest.raises(ValueError, match=message):
         asyncio.run(ToolBox.build(parse_tool_specs(entries)))
+
+
+def test_yaml_description_replaces_what_the_model_is_shown():
+    specs = parse_tool_specs([{"class": "calculator", "description": "Add and multiply."}])
+    box = asyncio.run(ToolBox.build(specs))
+    assert box.schemas()[0]["function"]["description"] == "Add and multiply."
+    assert "sqrt" in asyncio.run(ToolBox.build(parse_tool_specs([{"class": "calculator"}]))).schemas()[0]["function"]["description"]
+    with pytest.raises(ValueError, match=r"tools\[0\].description must be a string"):
+        parse_tool_specs([{"class": "calculator", "description": 3}])
