@@ -77,8 +77,11 @@ async def run_agent_loop(
         if budget <= 0:
             traj.stop_reason = "token_budget"
             break
-        # Same sampling every turn; only the length cap follows the remaining budget.
+        # Same sampling every turn; only the length cap follows the remaining budget, and a seed
+        # moves on per turn (a sample is then a function of its seed, whatever else is in flight).
         turn_sampling = {**sampling, "max_tokens": min(sampling.get("max_tokens", budget), budget)}
+        if sampling.get("seed") is not None:
+            turn_sampling["seed"] = sampling["seed"] + turn_index
         start = time.perf_counter()
         ids, logprobs = await engine.generate(traj.prompt_ids + traj.response_ids, turn_sampling)
         ids, logprobs = ids[:budget], list(logprobs[:budget])

@@ -41,8 +41,9 @@ class AsyncBatchingEngine:
     closes (or until `max_batch` requests wait) runs as one engine call in a worker thread, so the
     event loop keeps running tools meanwhile. One batched call runs at a time: the engine is not
     thread-safe, and requests that arrive while it runs form the next batch. Requests whose
-    sampling differs only in `max_tokens` share a call at the largest cap and are cut to their
-    own (a shorter run yields the same prefix); other differences split the batch.
+    sampling differs only in `max_tokens` or `seed` share a call at the largest cap, each with its
+    own seed, and are cut to their own cap (a shorter run yields the same prefix); other
+    differences split the batch.
     """
 
     def __init__(self, engine: RolloutEngine, max_batch: int = 256, window_s: float = 0.01):
@@ -98,7 +99,8 @@ class AsyncBatchingEngine:
     async def _run(self, group: list[_Request]) -> None:
         sampling = dataclasses.replace(group[0].sampling, max_tokens=max(r.sampling.max_tokens for r in group))
         try:
-            outputs = await asyncio.to_thread(self.engine.generate, [r.prompt for r in group], sampling)
+            seeds = [r.sampling.seed for r in group] if any(r.sampling.seed is not None for r in group) else None
+            outputs = await asyncio.to_thread(self.engine.generate, [r.prompt for r in group], sampling, seeds)
         except Exception as exc:  # every caller of the batch sees the engine's failure
             for request in group:
                 if not request.done.done():
@@ -115,5 +117,5 @@ class AsyncBatchingEngine:
 def _group_by_sampling(batch: list[_Request]) -> list[list[_Request]]:
     groups: dict[SamplingConfig, list[_Request]] = {}
     for request in batch:
-        groups.setdefault(dataclasses.replace(request.sampling, max_tokens=0), []).append(request)
+        groups.setdefault(dataclasses.replace(request.sampling, max_tokens=0, seed=None), []).append(request)
     return list(groups.values())

@@ -44,7 +44,10 @@ class Generation:
 
 
 class RolloutEngine(Protocol):
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Generation]]: ...
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig,
+                 seeds: list[int | None] | None = None) -> list[list[Generation]]:
+        """`seeds`: one per prompt, overriding `sampling.seed` (reproducible per-request sampling)."""
+        ...
 
     def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None: ...
 
@@ -96,14 +99,17 @@ class VLLMEngine:
     def weight_names(self) -> dict[str, tuple[int, ...]]:
         return dict(self._weight_shapes)
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Generation]]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig,
+                 seeds: list[int | None] | None = None) -> list[list[Generation]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         params = []
-        for _ in prompts:
-            # A distinct seed per request: equal prompts must not produce equal samples.
-            seed = None if sampling.seed is None else sampling.seed + self._request_counter
+        for index in range(len(prompts)):
+            if seeds is not None:
+                seed = seeds[index]
+            else:  # a distinct seed per request: equal prompts must not produce equal samples
+                seed = None if sampling.seed is None else sampling.seed + self._request_counter
             self._request_counter += 1
             params.append(SamplingParams(
                 n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,

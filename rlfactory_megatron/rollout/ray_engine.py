@@ -43,8 +43,8 @@ class VLLMEngineHost:
         self.group = None
         self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Generation]]:
-        return self.engine.generate(prompts, sampling)
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seeds=None) -> list[list[Generation]]:
+        return self.engine.generate(prompts, sampling, seeds)
 
     def weight_names(self) -> dict[str, tuple[int, ...]]:
         return self.engine.weight_names()
@@ -80,8 +80,8 @@ class RayVLLMEngine:
         self._ray = ray
         self.actor = host_cls.remote(hf_dir, **engine_kwargs)
 
-    def generate(self, prompts, sampling):
-        return self._ray.get(self.actor.generate.remote(prompts, sampling))
+    def generate(self, prompts, sampling, seeds=None):
+        return self._ray.get(self.actor.generate.remote(prompts, sampling, seeds))
 
     def weight_names(self):
         return self._ray.get(self.actor.weight_names.remote())

@@ -185,7 +185,7 @@ def test_adapter_window_groups_staggered_arrivals_and_passes_engine_errors():
         def __init__(self):
             self.calls = []  # (start time, batch size)
 
-        def generate(self, prompts, sampling):
+        def generate(self, prompts, sampling, seeds=None):
             self.calls.append((time.perf_counter(), len(prompts)))
             if any(p == [666] for p in prompts):
                 raise RuntimeError("engine died")

@@ -1,0 +1,39 @@
+"""Per-request seeds: a seeded sample is a function of its prompt, weights and seed only — not of
+which other requests share its engine call — and differently seeded requests still share one call."""
+import asyncio
+
+import pytest
+
+from rlfactory_megatron.rollout.async_engine import AsyncBatchingEngine
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_hf_dirs):
+    from rlfactory_megatron.rollout.engines import VLLMEngine
+
+    engine = VLLMEngine(tiny_hf_dirs["qwen3"], max_model_len=256, max_num_seqs=16)
+    yield engine
+    engine.close()
+
+
+def test_seeded_samples_do_not_depend_on_their_batch(engine):
+    prompts = [[5, 17, 42, 8], [9, 9, 31], [100, 3, 77, 12, 6], [5, 17, 42, 8]]
+    config = {"temperature": 1.0, "max_tokens": 12}
+
+    async def go():
+        adapter = AsyncBatchingEngine(engine, window_s=0.05)
+        try:
+            alone = await adapter.generate(prompts[0], {**config, "seed": 11})
+            start = adapter.batches
+            together = await asyncio.gather(*(adapter.generate(p, {**config, "seed": seed})
+                                              for p, seed in zip(prompts, (3, 4, 5, 11))))
+            return alone, together, adapter.batches - start
+        finally:
+            await adapter.close()
+
+    alone, together, batches = asyncio.run(go())
+    assert batches == 1  # different seeds do not split the batch
+    assert together[3][0] == alone[0] and together[3][1] == pytest.approx(alone[1], abs=1e-5)
+    assert together[0][0] != alone[0]  # same prompt, another seed: another sample (random weights, T=1)
