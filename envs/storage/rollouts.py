@@ -86,7 +86,8 @@ class RolloutStore:
         return sorted(self._by_step)
 
     def read_step(self, step: int) -> list[RolloutRecord]:
-        """Every rank's records of `step`, in shard then write order."""
+        """Every rank's records of `step`, in shard then write order; a (step, sample id) written
+        more than once reads as its last write."""
         self._refresh()
         records: list[RolloutRecord] = []
         locations = self._by_step.get(step, [])
@@ -125,8 +126,12 @@ class RolloutStore:
             steps = shard.read(_TABLE, "step", start, stop)
             sample_ids = shard.read(_TABLE, "sample_id", start, stop)
             for row, step, sample_id in zip(range(start, stop), steps.tolist(), sample_ids):
+                key = (step, sample_id.tobytes().decode())
+                earlier = self._by_sample.get(key)
+                if earlier is not None:  # written again (a resumed run redoes what a killed one wrote): last wins
+                    self._by_step[step].remove(earlier)
                 self._by_step.setdefault(step, []).append((path, row))
-                self._by_sample[step, sample_id.tobytes().decode()] = (path, row)
+                self._by_sample[key] = (path, row)
             self._indexed[path] = stop
 
 

@@ -44,3 +44,18 @@ def test_writer_sees_its_own_new_batches(tmp_path, workers):
         assert len(store.read_step(0)) == 1
         store.write([workers.make_record(0, 0, 1), workers.make_record(1, 0, 0)])
         assert [len(store.read_step(s)) for s in (0, 1)] == [2, 1]
+
+
+def test_a_rewritten_sample_reads_as_its_last_write(tmp_path, workers):
+    # A run killed during step 1 resumes from step 0's checkpoint and writes step 1 again.
+    first = [workers.make_record(1, 0, i) for i in range(3)]
+    again = [workers.make_record(1, 0, i) for i in range(3)]
+    for record in again:
+        record.reward += 10.0
+    with RolloutStore(tmp_path, _rank(0, 1)) as store:
+        store.write(first)
+    with RolloutStore(tmp_path, _rank(0, 1)) as store:
+        store.write(again[:2])
+    with RolloutStore(tmp_path, readonly=True) as store:
+        assert store.read_step(1) == [first[2], *again[:2]]
+        assert store.read(1, again[0].sample_id) == again[0]
