@@ -39,9 +39,13 @@ def main(argv: list[str] | None = None) -> int:
     from rlfactory_megatron.models.resolve import resolve_model_path
     from rlfactory_megatron.runtime.distributed import run_as_job
     from rlfactory_megatron.runtime.launch_env import detect_launch_env
+    from rlfactory_megatron.trainer.presets import apply_preset
 
     try:
         cfg = load_config(args.config, args.overrides)
+        _, implied = apply_preset(cfg)  # written into config.yaml, so every rank and a resume see them
+        if implied:
+            print(f"rlf-train: {cfg.trainer.algorithm} implies {', '.join(implied)}")
         if args.print_config:
             print(to_yaml(cfg))
             return 0

@@ -126,8 +126,17 @@ class TrainerConfig:
     resume: str = "auto"  # auto | never | <checkpoint dir>
     val_every: int = 5
     val_prompts: int = 16
-    sft_steps: int = 0  # supervised warm-start steps on the built-in task's demonstrations
-    data_path: Optional[str] = None  # parquet/jsonl; None = the built-in tool-use task
+    # Supervised warm-start before RL on demonstrations (the built-in task's, or a `demonstration`
+    # column of trainer.data_path): steps, rows per step, and its own constant LR.
+    sft_steps: int = 0
+    sft_batch_size: int = 32
+    sft_lr: float = 1e-3
+    data_path: Optional[str] = None  # parquet/jsonl; None = the built-in task `trainer.task`
+    val_data_path: Optional[str] = None  # None: a held-out set (a fresh draw of the task, or data_path's last rows)
+    task: str = "calculator_arithmetic"  # a name in rlfactory_megatron.trainer.tasks.TASKS
+    # Dynamic sampling (trainer.algorithm=dapo): further rollout rounds per step to replace
+    # groups whose samples all scored the same.
+    max_refill_rounds: int = 3
 
 
 @dataclass

@@ -14,6 +14,7 @@ class PromptRecord:
     ground_truth: Any
     data_source: str = "unknown"
     extra: dict[str, Any] = field(default_factory=dict)
+    demonstration: list[dict[str, Any]] | None = None  # assistant/tool turns for an SFT warm-start
 
 
 def _record(row: dict[str, Any], source: str) -> PromptRecord:
@@ -27,12 +28,17 @@ def _record(row: dict[str, Any], source: str) -> PromptRecord:
         truth = row["reward_model"].get("ground_truth")
     if truth is None:
         raise ValueError(f"{source}: a row has no 'ground_truth' (or reward_model.ground_truth)")
+    demonstration = row.get("demonstration")
+    if demonstration is not None and not (isinstance(demonstration, list) and all(
+            isinstance(t, dict) and t.get("role") in ("assistant", "tool") for t in demonstration)):
+        raise ValueError(f"{source}: 'demonstration' must be a list of assistant/tool messages")
     return PromptRecord([dict(m) for m in prompt], truth, str(row.get("data_source", "unknown")),
-                        dict(row.get("extra_info") or {}))
+                        dict(row.get("extra_info") or {}), demonstration)
 
 
 def load_prompts(path: str) -> list[PromptRecord]:
-    """Rows with `prompt`, `ground_truth` (or verl's `reward_model.ground_truth`), optional `data_source`."""
+    """Rows with `prompt`, `ground_truth` (or verl's `reward_model.ground_truth`), optional `data_source`,
+    `extra_info` and `demonstration` (assistant/tool messages for the SFT warm-start)."""
     file = Path(path)
     if not file.is_file():
         raise ValueError(f"trainer.data_path='{path}' does not exist")

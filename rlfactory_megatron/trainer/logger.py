@@ -31,7 +31,23 @@ class MetricsLogger:
         self._start: float | None = None  # set at the first step, so set-up and warm-start don't skew the ETA
         self._first_step: int | None = None
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def rewind(self, step: int) -> None:
+        """After resuming at `step`: forget what a killed run logged past it, so every step is
+        recorded once (metrics.jsonl rows dropped, TensorBoard events purged)."""
+        if self.jsonl:
+            self.jsonl.close()
+            path = self.dir / "metrics.jsonl"
+            kept = [line for line in path.read_text().splitlines()
+                    if line.strip() and _complete_step(line) is not None and _complete_step(line) <= step]
+            path.write_text("".join(line + "\n" for line in kept))
+            self.jsonl = open(path, "a")
+        if self.tb:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb.close()
+            self.tb = SummaryWriter(str(self.dir / "tensorboard"), purge_step=step + 1)
+
+    def log(self, step: int, metrics: dict[str, float], progress: bool = True) -> None:
         record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
         if self.jsonl:
             self.jsonl.write(json.dumps(record) + "\n")
@@ -43,7 +59,8 @@ class MetricsLogger:
             self.tb.flush()
         if self.wandb:
             self.wandb.log(record, step=step)
-        print(self.progress_line(step, metrics), flush=True)
+        if progress:
+            print(self.progress_line(step, metrics), flush=True)
 
     def progress_line(self, step: int, metrics: dict[str, float]) -> str:
         if self._first_step is None:
@@ -66,3 +83,11 @@ class MetricsLogger:
             self.tb.close()
         if self.wandb:
             self.wandb.finish()
+
+
+def _complete_step(line: str) -> int | None:
+    """The step of one metrics.jsonl line; None for a line a kill cut short."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None

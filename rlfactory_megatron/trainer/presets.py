@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import OmegaConf, open_dict
 
 
 @dataclass(frozen=True)
@@ -10,13 +13,41 @@ class AlgorithmPreset:
     policy_loss: str
     use_critic: bool = False
     drop_uniform_groups: bool = False  # DAPO dynamic sampling: all-equal-reward groups teach nothing
+    # Settings the algorithm implies; applied only where the config leaves a key at its schema
+    # default, so anything the user sets wins.
+    implied: tuple[tuple[str, Any], ...] = ()
 
 
 ALGORITHM_PRESETS: dict[str, AlgorithmPreset] = {
     "ppo": AlgorithmPreset("gae", "ppo", use_critic=True),
     "grpo": AlgorithmPreset("grpo", "ppo"),
-    "dapo": AlgorithmPreset("grpo", "clip-higher", drop_uniform_groups=True),
+    # DAPO: clip-higher (eps_high 0.28), dynamic sampling, overlong penalty over the last quarter
+    # of the response budget (and token-mean loss aggregation, already the default).
+    "dapo": AlgorithmPreset("grpo", "clip-higher", drop_uniform_groups=True, implied=(
+        ("actor.clip_ratio_high", 0.28), ("reward.manager", "dapo"))),
     "gspo": AlgorithmPreset("grpo", "gspo"),
     "reinforce_pp": AlgorithmPreset("reinforce++", "ppo"),
     "rloo": AlgorithmPreset("rloo", "ppo"),
 }
+
+
+def apply_preset(cfg) -> tuple[AlgorithmPreset, list[str]]:
+    """The preset of `cfg.trainer.algorithm`, with its implied settings written into `cfg`;
+    returns the `key=value` strings it applied (for the start-up log)."""
+    from rlfactory_megatron.config.schema import RLFConfig
+
+    preset = ALGORITHM_PRESETS[cfg.trainer.algorithm]
+    schema = OmegaConf.structured(RLFConfig)
+    applied = []
+    with open_dict(cfg):
+        cfg.actor.policy_loss = preset.policy_loss
+        for key, value in preset.implied:
+            current = OmegaConf.select(cfg, key)
+            if current == OmegaConf.select(schema, key) and current != value:
+                OmegaConf.update(cfg, key, value)
+                applied.append(f"{key}={value}")
+        if cfg.reward.manager == "dapo" and not cfg.reward.manager_options:
+            budget = cfg.rollout.max_response_tokens
+            cfg.reward.manager_options = {"max_response_length": budget, "overlong_buffer_len": max(1, budget // 4)}
+            applied.append(f"reward.manager_options={dict(cfg.reward.manager_options)}")
+    return preset, applied

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import shutil
 import time
 from dataclasses import dataclass
@@ -26,8 +27,8 @@ from rlfactory_megatron.models.builder import BuildOptions
 from rlfactory_megatron.models.hf_arch import load_arch
 from rlfactory_megatron.trainer.data import PromptRecord, PromptSampler, load_prompts
 from rlfactory_megatron.trainer.logger import MetricsLogger
-from rlfactory_megatron.trainer.presets import ALGORITHM_PRESETS
-from rlfactory_megatron.trainer.tasks import BUILTIN_TASKS, calculator_demonstration
+from rlfactory_megatron.trainer.presets import apply_preset
+from rlfactory_megatron.trainer.tasks import TASKS
 
 STATE_FILE = "trainer_state.json"
 
@@ -41,6 +42,23 @@ class Rollouts:
     responses: list[str]
     response_lengths: list[int]
     stats: dict[str, float]
+    trajectories: list[Any]  # envs.agent_loop.Trajectory, one per row
+
+    def select_groups(self, groups: list[int], n: int) -> "Rollouts":
+        """The rows of whole sample groups (each prompt's n consecutive rows), re-numbered."""
+        rows = [g * n + k for g in groups for k in range(n)]
+        return Rollouts(_batch_from_trajectories([self.trajectories[r] for r in rows], n),
+                        [self.records[r] for r in rows], [self.responses[r] for r in rows],
+                        [self.response_lengths[r] for r in rows], dict(self.stats),
+                        [self.trajectories[r] for r in rows])
+
+    @staticmethod
+    def concat(parts: list["Rollouts"], n: int) -> "Rollouts":
+        trajectories = [t for part in parts for t in part.trajectories]
+        stats = {k: float(np.mean([p.stats[k] for p in parts])) for k in parts[0].stats}
+        return Rollouts(_batch_from_trajectories(trajectories, n), [r for p in parts for r in p.records],
+                        [x for p in parts for x in p.responses], [x for p in parts for x in p.response_lengths],
+                        stats, trajectories)
 
 
 def _broadcast(obj: Any) -> Any:
@@ -56,15 +74,16 @@ class Trainer:
 
         self.cfg = cfg
         self.hf_dir = str(hf_dir)
-        self.preset = ALGORITHM_PRESETS[cfg.trainer.algorithm]
+        self.preset, implied = apply_preset(cfg)
         self.arch = load_arch(hf_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(hf_dir)
         self.output = Path(cfg.trainer.output_dir)
         self.is_leader = dist.get_rank() == 0
+        if implied and self.is_leader:
+            print(f"rlf-train: {cfg.trainer.algorithm} implies {', '.join(implied)}")
         build = BuildOptions(params_dtype=cfg.model.params_dtype, layer_spec=cfg.model.layer_spec,
                              recompute_activations=cfg.model.recompute_activations,
                              sequence_parallel=cfg.parallel.sequence_parallel)
-        cfg.actor.policy_loss = self.preset.policy_loss
         total = cfg.trainer.total_steps * cfg.actor.ppo_epochs
         self.actor = Actor(cfg.actor, self.arch, hf_dir, build, total, norm_length=cfg.rollout.max_response_tokens)
         self.reference = (PolicyModel(self.arch, hf_dir, build, cfg.actor.max_tokens_per_microbatch,
@@ -72,18 +91,33 @@ class Trainer:
                           if cfg.actor.kl_loss_coef > 0 else None)
         self.critic = (Critic(cfg.critic, cfg.actor, self.arch, hf_dir, build, total)
                        if self.preset.use_critic or cfg.critic.enable else None)
-        self.records = self._load_records()
+        self.records, self.val_records = self._load_records()
+        if cfg.trainer.sft_steps > 0 and not any(r.demonstration for r in self.records):
+            raise ValueError(f"trainer.sft_steps={cfg.trainer.sft_steps} needs demonstrations: give "
+                             f"trainer.data_path rows a 'demonstration' column, or set trainer.sft_steps=0")
         self.sampler = PromptSampler(len(self.records), cfg.trainer.seed)
         self.step_index = 0
         self.engine = self.tool_pool = self.reward_pool = self.transport = self.logger = None
+        self.rollout_store = self.artifacts = None
+        self.tool_schemas: list[dict] | None = None
         if self.is_leader:
             self._start_leader_services()
 
     # ------------------------------------------------------------------ set-up
-    def _load_records(self) -> list[PromptRecord]:
-        if self.cfg.trainer.data_path:
-            return load_prompts(self.cfg.trainer.data_path)
-        return BUILTIN_TASKS["calculator_arithmetic"](512, self.cfg.trainer.seed)
+    def _load_records(self) -> tuple[list[PromptRecord], list[PromptRecord]]:
+        """Training prompts and held-out validation prompts (never trained on)."""
+        cfg = self.cfg.trainer
+        if cfg.data_path:
+            records = load_prompts(cfg.data_path)
+            if cfg.val_data_path:
+                return records, load_prompts(cfg.val_data_path)[: cfg.val_prompts]
+            held = min(cfg.val_prompts, len(records) // 2)
+            return records[: len(records) - held], records[len(records) - held:]
+        task = TASKS.get(cfg.task)
+        train = task.records(512, cfg.seed)
+        seen = {json.dumps(r.messages) for r in train}
+        fresh = [r for r in task.records(2 * cfg.val_prompts + 64, cfg.seed + 1) if json.dumps(r.messages) not in seen]
+        return train, fresh[: cfg.val_prompts]
 
     def _start_leader_services(self) -> None:
         from rlfactory_megatron.envs.tool_manager import get_tool_manager
@@ -100,6 +134,8 @@ class Trainer:
         self.async_engine = AsyncBatchingEngine(self.engine)
         self.transport = InProcessTransport(self.engine)
         self.manager = get_tool_manager(cfg.tools.format, self.tokenizer)
+        if cfg.cache.enable:
+            self._open_cache()
         self._start_ray()
         if cfg.tools.enable:
             self._start_tool_pool()
@@ -122,14 +158,26 @@ class Trainer:
             ray.init(address=address, num_cpus=None if address else max(needed, os.cpu_count() or 2),
                      include_dashboard=False, log_to_driver=False)
 
+    def _open_cache(self) -> None:
+        """The run's HDF5 cache (cache.dir, default <output_dir>/cache): every step's trajectories
+        as trained on, and the tool artifacts the tool pool answers repeated calls from. Rank 0
+        alone generates, so it writes one shard (world 1) whatever the training world is."""
+        from rlfactory_megatron.envs.storage import RolloutStore, ToolArtifactCache, single_process
+
+        root = Path(self.cfg.cache.dir or self.output / "cache")
+        self.rollout_store = RolloutStore(root / "rollouts", topology=single_process())
+        self.artifacts = ToolArtifactCache(root / "tool_artifacts", topology=single_process(),
+                                           max_bytes=self.cfg.cache.tool_cache_max_mb << 20,
+                                           ttl_s=self.cfg.cache.tool_cache_ttl_s)
+
     def _start_tool_pool(self) -> None:
         from rlfactory_megatron.envs.tool_pool import ToolPool, ToolPoolConfig
 
         cfg = self.cfg.tools
-        tools = cfg.config_path or [{"class": "calculator"}]
+        tools = cfg.config_path or [dict(tool) for tool in TASKS.get(self.cfg.trainer.task).tools]
         pool_cfg = ToolPoolConfig.from_dict({"tools": tools, "num_actors": cfg.num_workers,
                                              "max_concurrency": cfg.max_concurrency, "call_timeout_s": cfg.call_timeout_s})
-        self.tool_pool = ToolPool(pool_cfg)
+        self.tool_pool = ToolPool(pool_cfg, self.artifacts)
         self._loop = asyncio.new_event_loop()
         self.tool_schemas = self._loop.run_until_complete(self.tool_pool.start())
 
@@ -137,12 +185,14 @@ class Trainer:
     def step(self) -> dict[str, float]:
         timings: dict[str, float] = {}
         clock = time.perf_counter()
-        indices = self.sampler.next(self.cfg.trainer.prompts_per_step)
-        rollouts = _broadcast(self._rollout([self.records[i] for i in indices]) if self.is_leader else None)
+        rollouts, reward = self._generate() if self.is_leader else (None, None)
+        rollouts = _broadcast(rollouts)
         timings["time/generate_s"] = time.perf_counter() - clock
 
         clock = time.perf_counter()
-        future = self.reward_pool.submit(self._reward_samples(rollouts)) if self.is_leader else None
+        future = None
+        if self.is_leader and reward is None:
+            future = self.reward_pool.submit(self._reward_samples(rollouts))  # scored while log-probs run
         batch = rollouts.batch
         old = self.actor.compute_log_probs(batch, with_entropy=True)
         batch = batch.with_fields(old_log_probs=old["log_probs"])
@@ -153,13 +203,15 @@ class Trainer:
         timings["time/logprob_s"] = time.perf_counter() - clock
 
         clock = time.perf_counter()
-        reward = _broadcast(future.result() if self.is_leader else None)  # computed while log-probs ran
+        reward = _broadcast((reward or future.result()) if self.is_leader else None)
         timings["time/reward_wait_s"] = time.perf_counter() - clock
         token_rewards = _place_on_last_token(reward.scores, batch)
         advantages = compute_advantages(self.preset.advantage, token_rewards, batch.loss_mask,
                                         values=batch.values, group_index=batch.group_ids)
         batch = batch.with_fields(token_rewards=token_rewards, advantages=advantages.advantages,
                                   returns=advantages.returns)
+        if self.rollout_store is not None:
+            self._record_step(rollouts, batch, reward)
 
         clock = time.perf_counter()
         metrics = self.actor.update(batch)
@@ -185,8 +237,42 @@ class Trainer:
         metrics["perf/step_s"] = step_time
         return metrics
 
-    def _rollout(self, records: list[PromptRecord], greedy: bool = False) -> Rollouts:
-        """Rank 0: n agent-loop trajectories per prompt, one coroutine each."""
+    def _generate(self):
+        """Rank 0: this step's rollouts, and None for their rewards (scored later, overlapped).
+
+        With dynamic sampling (DAPO) the rewards are needed first: groups whose samples all scored
+        the same have zero advantage and teach nothing, so they are dropped and further prompts
+        rolled out (at most trainer.max_refill_rounds more times) until prompts_per_step groups
+        are informative; the step then trains on those."""
+        wanted, n = self.cfg.trainer.prompts_per_step, self.cfg.rollout.n
+        rollouts = self._rollout([self.records[i] for i in self.sampler.next(wanted)])
+        if not self.preset.drop_uniform_groups:
+            return rollouts, None
+        kept: list[Rollouts] = []
+        groups = seen = rounds = 0
+        while True:
+            reward = self.reward_pool.submit(self._reward_samples(rollouts)).result()
+            scores = np.asarray(reward.scores).reshape(-1, n)
+            seen += len(scores)
+            informative = [g for g in range(len(scores)) if np.ptp(scores[g]) > 0][: wanted - groups]
+            if informative:
+                kept.append(rollouts.select_groups(informative, n))
+                groups += len(informative)
+            if groups >= wanted or rounds >= self.cfg.trainer.max_refill_rounds:
+                break
+            rounds += 1
+            extra = [self.records[i] for i in self.sampler.next(wanted)]
+            rollouts = self._rollout(extra, first_row=seen * n)
+        if not kept:  # nothing informative at all: train on the last draw (zero advantages)
+            kept = [rollouts]
+        final = Rollouts.concat(kept, n)
+        final.stats.update({"rollout/groups_kept": float(groups), "rollout/groups_seen": float(seen),
+                            "rollout/refill_rounds": float(rounds)})
+        return final, self.reward_pool.submit(self._reward_samples(final)).result()
+
+    def _rollout(self, records: list[PromptRecord], greedy: bool = False, first_row: int = 0) -> Rollouts:
+        """Rank 0: n agent-loop trajectories per prompt, one coroutine each. `first_row` numbers
+        the rows for their sampling seeds (refills must not repeat a step's earlier samples)."""
         from rlfactory_megatron.envs.agent_loop import AgentLoopConfig, run_agent_loop
 
         cfg = self.cfg
@@ -197,13 +283,13 @@ class Trainer:
         sampling = {"temperature": 0.0 if greedy else cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
                     "top_k": cfg.rollout.top_k, "max_tokens": cfg.rollout.max_response_tokens,
                     "stop": list(cfg.rollout.stop), "stop_token_ids": self._stop_token_ids()}
-        tools = self.tool_schemas if cfg.tools.enable else None
-        prompts = [self.manager.render_prompt(r.messages, tools)[-cfg.rollout.max_prompt_tokens:] for r in records]
+        prompts = [self.manager.render_prompt(r.messages, self.tool_schemas)[-cfg.rollout.max_prompt_tokens:] for r in records]
         run_tool = self.tool_pool.call if self.tool_pool is not None else None
 
         async def all_samples():
-            jobs = [run_agent_loop(p, self.async_engine, self.manager, run_tool, sampling, loop_cfg)
-                    for p in prompts for _ in range(n)]
+            jobs = [run_agent_loop(p, self.async_engine, self.manager, run_tool,
+                                   sampling if greedy else {**sampling, "seed": self._sample_seed(first_row + i * n + k)}, loop_cfg)
+                    for i, p in enumerate(prompts) for k in range(n)]
             return await asyncio.gather(*jobs)
 
         loop = getattr(self, "_loop", None) or asyncio.new_event_loop()
@@ -217,7 +303,35 @@ class Trainer:
         stats = {"rollout/response_tokens_mean": float(np.mean([len(t.response_ids) for t in trajectories])),
                  "rollout/turns_mean": float(np.mean([len(t.turns) for t in trajectories])),
                  "rollout/tool_calls_per_sample": calls / len(trajectories)}
-        return Rollouts(batch, rows, responses, [len(t.response_ids) for t in trajectories], stats)
+        return Rollouts(batch, rows, responses, [len(t.response_ids) for t in trajectories], stats,
+                        list(trajectories))
+
+    def _record_step(self, rollouts: Rollouts, batch: RolloutBatch, reward) -> None:
+        """Rank 0: this step's trajectories as trained on into the rollout store (one flushed
+        batch), then the artifact cache's step-boundary sync."""
+        from rlfactory_megatron.envs.storage import RolloutRecord
+
+        step, records = self.step_index + 1, []
+        for row, (traj, record) in enumerate(zip(rollouts.trajectories, rollouts.records)):
+            start, count = len(traj.prompt_ids), len(traj.response_ids)
+            calls = [{"turn": t, "name": c.name, "arguments": c.arguments, "observation": c.observation,
+                      "is_error": c.is_error, "latency_s": c.latency_s}
+                     for t, turn in enumerate(traj.turns) for c in turn.tool_calls]
+            records.append(RolloutRecord(
+                step, f"{row:05d}", np.asarray(traj.prompt_ids), np.asarray(traj.response_ids),
+                np.asarray(traj.loss_mask), np.asarray(traj.logprobs),
+                batch.advantages[row, start:start + count].numpy(), float(reward.scores[row]), calls,
+                {"data_source": record.data_source, "ground_truth": str(record.ground_truth),
+                 "group": row // self.cfg.rollout.n, "stop_reason": traj.stop_reason, "turns": len(traj.turns),
+                 "reward_error": reward.errors[row]}))
+        self.rollout_store.write(records)
+        if self.artifacts is not None:
+            self.artifacts.sync()
+
+    def _sample_seed(self, row: int) -> int:
+        """The sampling seed of one trajectory, from (run seed, step, row): a resumed run draws the
+        same samples as an uninterrupted one, however requests are batched."""
+        return int(np.random.SeedSequence([self.cfg.trainer.seed, self.step_index, row]).generate_state(1)[0] >> 1)
 
     def _stop_token_ids(self) -> list[int]:
         # The engine has no tokenizer and so no EOS: end-of-turn tokens must be given explicitly.
@@ -235,6 +349,12 @@ class Trainer:
         self._maybe_resume()
         if self.cfg.trainer.sft_steps > 0 and self.step_index == 0:
             self.sft_warm_start()
+        if self.cfg.trainer.val_every and self.step_index == 0:
+            before = self.validate()  # the baseline the run's validation curve starts from
+            if self.is_leader:
+                self.logger.log(0, before, progress=False)
+                print(f"rlf-train: validation before RL: score {before['val/score_mean']:.3f} "
+                      f"on {len(self.val_records)} held-out prompts", flush=True)
         last: dict[str, float] = {}
         while self.step_index < self.cfg.trainer.total_steps:
             last = self.step()
@@ -248,7 +368,7 @@ class Trainer:
 
     def validate(self) -> dict[str, float]:
         """Greedy rollouts on held-out prompts; mean score = accuracy for 0/1 scorers."""
-        records = self.records[: self.cfg.trainer.val_prompts]
+        records = self.val_records
         rollouts = self._rollout(records, greedy=True) if self.is_leader else None
         if not self.is_leader:
             return {}
@@ -256,31 +376,46 @@ class Trainer:
         return {"val/score_mean": float(np.mean(result.scores))}
 
     def sft_warm_start(self) -> None:
-        """Supervised steps on the task's demonstrations (loss on assistant tokens only)."""
-        from rlfactory_megatron.actor.batch import RolloutBatch
-
-        rows = self.records[: self.cfg.trainer.prompts_per_step * self.cfg.rollout.n]
-        ids_list, masks = [], []
-        for record in rows:
-            prompt = self.manager.render_prompt(record.messages, getattr(self, "tool_schemas", None)) \
-                if self.is_leader else None
-            ids, mask = _demonstration_tokens(self, record, prompt)
-            ids_list.append(ids)
-            masks.append(mask)
-        ids_list, masks = _broadcast((ids_list, masks))
-        batch = _pad_rows(ids_list, masks)
-        total, start = self.cfg.trainer.sft_steps, time.perf_counter()
-        for done in range(1, total + 1):
-            metrics = self.actor.sft_update(batch)
-            if self.is_leader and (done % 10 == 0 or done == total):
-                elapsed = time.perf_counter() - start
-                print(f"sft {done}/{total} | loss {metrics['sft/loss']:.3f} | {done / elapsed:.2f} steps/s "
-                      f"| ETA {int(elapsed / done * (total - done))}s", flush=True)
+        """Supervised steps on the prompts' demonstrations (loss on the assistant's tokens only) at
+        the constant trainer.sft_lr, each on a fresh seeded draw of trainer.sft_batch_size prompts."""
+        cfg = self.cfg.trainer
+        rows = _broadcast(self._demonstration_rows() if self.is_leader else None)
+        rng = random.Random(cfg.seed)
+        start = time.perf_counter()
+        with self.actor.engine.fixed_lr(cfg.sft_lr):
+            for done in range(1, cfg.sft_steps + 1):
+                ids, masks = zip(*(rows[rng.randrange(len(rows))] for _ in range(cfg.sft_batch_size)))
+                metrics = self.actor.sft_update(_pad_rows(list(ids), list(masks)))
+                if self.is_leader and (done % 10 == 0 or done == cfg.sft_steps):
+                    elapsed = time.perf_counter() - start
+                    print(f"sft {done}/{cfg.sft_steps} | loss {metrics['sft/loss']:.3f} | {done / elapsed:.2f} steps/s "
+                          f"| ETA {int(elapsed / done * (cfg.sft_steps - done))}s", flush=True)
         if self.is_leader:
-            print(f"rlf-train: SFT warm-start done ({total} steps, loss {metrics['sft/loss']:.3f})")
+            print(f"rlf-train: SFT warm-start done ({cfg.sft_steps} steps, loss {metrics['sft/loss']:.3f})")
         from rlfactory_megatron.rollout.weight_sync import sync_weights
 
         sync_weights(self.actor.engine, self.transport, self.cfg.weight_sync.bucket_mb)
+
+    def _demonstration_rows(self) -> list[tuple[list[int], list[int]]]:
+        """Rank 0: prompt + demonstration tokens of every record that has one, mask 1 on the
+        assistant's tokens only (tool responses are rendered as the agent loop renders them)."""
+        eot = self.tokenizer.eos_token or ""
+        rows = []
+        for record in self.records:
+            if not record.demonstration:
+                continue
+            ids = self.manager.render_prompt(record.messages, self.tool_schemas)
+            ids = ids[-self.cfg.rollout.max_prompt_tokens:]
+            mask = [0] * len(ids)
+            for turn in record.demonstration:
+                if turn["role"] == "tool":
+                    piece, trained = self.manager.render_observation([turn["content"]]), 0
+                else:
+                    piece, trained = self.tokenizer.encode(turn["content"] + eot, add_special_tokens=False), 1
+                ids += piece
+                mask += [trained] * len(piece)
+            rows.append((ids, mask))
+        return rows
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
@@ -320,6 +455,7 @@ class Trainer:
 
         sync_weights(self.actor.engine, self.transport, self.cfg.weight_sync.bucket_mb)
         if self.is_leader:
+            self.logger.rewind(self.step_index)
             print(f"rlf-train: resumed from {directory} at step {self.step_index}")
 
     def close(self) -> None:
@@ -329,24 +465,9 @@ class Trainer:
             self.reward_pool.shutdown()
             self.engine.close()
             self.logger.close()
-
-
-def _demonstration_tokens(trainer: Trainer, record: PromptRecord, prompt: list[int] | None):
-    """Prompt + demonstration turns as tokens, mask 1 on the assistant's tokens only (rank 0 only)."""
-    if prompt is None:
-        return None, None
-    ids, mask = list(prompt), [0] * len(prompt)
-    for turn in calculator_demonstration(record):
-        if turn["role"] == "tool":
-            piece = trainer.manager.render_observation([turn["content"]])
-            ids += piece
-            mask += [0] * len(piece)
-        else:
-            eot = trainer.tokenizer.eos_token or ""
-            piece = trainer.tokenizer.encode(turn["content"] + eot, add_special_tokens=False)
-            ids += piece
-            mask += [1] * len(piece)
-    return ids, mask
+            for store in (self.rollout_store, self.artifacts):
+                if store is not None:
+                    store.close()
 
 
 def _pad_rows(ids_list: list[list[int]], masks: list[list[int]], group_size: int = 1) -> RolloutBatch:

@@ -1,46 +1,75 @@
 """`rlf-train` end to end on the tiny model: GRPO with the calculator tool in Ray, rewards in Ray,
-weight sync into vLLM, metrics/TensorBoard/checkpoints, and resume from the latest checkpoint."""
-import json
+weight sync into vLLM, metrics/TensorBoard/checkpoints; a run killed with SIGKILL resumes and
+continues exactly; DAPO's dynamic sampling; bad config fails before any work."""
 import os
-import subprocess
 import sys
-from pathlib import Path
 
-BIN = Path(sys.executable).parent
+import pytest
 
+sys.path.insert(0, os.path.dirname(__file__))
+from rlf_train_cli import TIMING_KEYS, kill_after_checkpoint, records, rlf_train  # noqa: E402
 
-def rlf_train(tmp_path, *overrides):
-    env = dict(os.environ, OMP_NUM_THREADS="1", RLF_CACHE_HOME=str(tmp_path / "cache"))
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "RAY_ADDRESS"):
-        env.pop(var, None)
-    args = ["trainer.prompts_per_step=2", "rollout.n=2", "rollout.max_response_tokens=24", "trainer.val_every=2",
-            "trainer.val_prompts=2", "trainer.save_every=2", "trainer.sft_steps=2", "tools.num_workers=1",
-            f"trainer.output_dir={tmp_path / 'run'}", *overrides]
-    return subprocess.run([str(BIN / "rlf-train"), *args], capture_output=True, text=True, env=env, timeout=900)
+from rlfactory_megatron.envs.storage import RolloutStore  # noqa: E402
 
 
-def test_grpo_runs_logs_checkpoints_and_resumes(tmp_path):
-    first = rlf_train(tmp_path, "trainer.total_steps=2")
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert "SFT warm-start done" in first.stdout and "step 2/2 | reward" in first.stdout
-    run = tmp_path / "run"
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2]
+def test_killed_run_resumes_and_continues_exactly(tmp_path):
+    # LR warm-up over 4 steps: the SFT warm-start trains at its own LR without advancing it.
+    full = rlf_train(tmp_path, "full", "trainer.total_steps=4", "actor.optim.warmup_steps=4")
+    assert full.returncode == 0, full.stderr[-3000:]
+    assert "SFT warm-start done" in full.stdout and "validation before RL" in full.stdout
+    assert "step 4/4 | reward" in full.stdout
+    run = tmp_path / "full"
+    uninterrupted = records(run)
+    assert [r["step"] for r in uninterrupted] == [0, 1, 2, 3, 4]  # step 0: validation before RL
+    assert [r["actor/lr"] for r in uninterrupted[1:]] == pytest.approx([2.5e-7, 5e-7, 7.5e-7, 1e-6])
     for key in ("reward/score/mean", "actor/pg_loss", "actor/grad_norm", "time/generate_s", "time/update_s",
                 "time/sync_s", "perf/tokens_per_s", "rollout/response_tokens_mean", "val/score_mean"):
-        assert key in records[-1], key
+        assert key in uninterrupted[-1], key
     assert list((run / "tensorboard").iterdir())
-    assert (run / "checkpoints" / "step_000002" / "trainer_state.json").is_file()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
+    with RolloutStore(run / "cache" / "rollouts", readonly=True) as store:  # every trajectory as trained on
+        assert store.steps() == [1, 2, 3, 4]
+        for record in uninterrupted[1:]:
+            trained = store.read_step(record["step"])
+            assert len(trained) == 4  # 2 prompts x 2 samples
+            assert sum(r.reward for r in trained) / 4 == pytest.approx(record["reward/score/mean"])
+            for r in trained:
+                assert len(r.response_ids) == len(r.loss_mask) == len(r.logprobs) == len(r.advantages)
+                assert all(r.advantages[r.loss_mask == 0] == 0)  # nothing to learn from tool output
+    assert (run / "cache" / "tool_artifacts").is_dir()
 
-    second = rlf_train(tmp_path, "trainer.total_steps=3")
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert "resumed from" in second.stdout and "step_000002 at step 2" in second.stdout
-    assert "SFT warm-start done" not in second.stdout  # warm-start belongs to a fresh run only
-    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3]
+    kill_after_checkpoint(tmp_path, "killed", "step_000002", "trainer.total_steps=4", "actor.optim.warmup_steps=4")
+    resumed = rlf_train(tmp_path, "killed", "trainer.total_steps=4", "actor.optim.warmup_steps=4")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and "step_000002 at step 2" in resumed.stdout
+    assert "SFT warm-start done" not in resumed.stdout  # warm-start belongs to a fresh run only
+    with RolloutStore(tmp_path / "killed" / "cache" / "rollouts", readonly=True) as store:
+        assert store.steps() == [1, 2, 3, 4] and all(len(store.read_step(s)) == 4 for s in (1, 2, 3, 4))
+    after = records(tmp_path / "killed")
+    assert [r["step"] for r in after] == [0, 1, 2, 3, 4]  # what the killed run logged past step 2 is gone
+    for mine, theirs in zip(after, uninterrupted):
+        compared = {k for k in theirs if not any(t in k for t in TIMING_KEYS)}
+        assert compared <= set(mine), compared - set(mine)
+        for key in compared:
+            assert mine[key] == theirs[key], (mine["step"], key, mine[key], theirs[key])
+
+
+def test_dapo_drops_uniform_groups_and_applies_its_settings(tmp_path):
+    out = rlf_train(tmp_path, "dapo", "trainer.algorithm=dapo", "trainer.total_steps=2", "trainer.val_every=0",
+                    "trainer.save_every=0", "trainer.prompts_per_step=3", "trainer.max_refill_rounds=1")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "dapo implies actor.clip_ratio_high=0.28" in out.stdout and "reward.manager=dapo" in out.stdout
+    for record in records(tmp_path / "dapo"):
+        assert record["rollout/refill_rounds"] <= 1
+        assert record["rollout/groups_seen"] == 3 * (1 + record["rollout/refill_rounds"])
+        assert record["rollout/groups_kept"] <= 3
+        if record["rollout/groups_kept"] < 3:  # it looked further before settling for less
+            assert record["rollout/refill_rounds"] == 1
+    config = (tmp_path / "dapo" / "config.yaml").read_text()
+    assert "clip_ratio_high: 0.28" in config
 
 
 def test_bad_config_fails_before_any_work(tmp_path):
-    out = rlf_train(tmp_path, "trainer.algorithm=ppo3")
+    out = rlf_train(tmp_path, "bad", "trainer.algorithm=ppo3")
     assert out.returncode == 2 and "trainer.algorithm='ppo3' is not allowed" in out.stderr
-    assert not (tmp_path / "run").exists()
+    assert not (tmp_path / "bad").exists()

@@ -1,0 +1,48 @@
+"""Run `rlf-train` as a user does (a subprocess, its own Ray and vLLM) with small settings."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+SMALL = ["trainer.prompts_per_step=2", "rollout.n=2", "rollout.max_response_tokens=48", "trainer.val_every=2",
+         "trainer.val_prompts=2", "trainer.save_every=2", "trainer.sft_steps=2", "trainer.sft_batch_size=4",
+         "tools.num_workers=1"]
+# Wall-clock measurements differ between any two runs; everything else must not.
+TIMING_KEYS = ("time/", "perf/", "tokens_per_s")
+
+
+def env_for(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", RLF_CACHE_HOME=str(tmp_path.parent / "rlf-cache"))
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "RAY_ADDRESS"):
+        env.pop(var, None)
+    return env
+
+
+def rlf_train(tmp_path, run: str, *overrides, timeout=900):
+    args = [*SMALL, f"trainer.output_dir={tmp_path / run}", *overrides]
+    return subprocess.run([str(BIN / "rlf-train"), *args], capture_output=True, text=True, env=env_for(tmp_path),
+                          timeout=timeout)
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def kill_after_checkpoint(tmp_path, run: str, checkpoint: str, *overrides) -> None:
+    """Start rlf-train and SIGKILL its whole process group as soon as `checkpoint` is complete."""
+    args = [*SMALL, f"trainer.output_dir={tmp_path / run}", *overrides]
+    log = open(tmp_path / f"{run}.log", "w")
+    proc = subprocess.Popen([str(BIN / "rlf-train"), *args], stdout=log, stderr=subprocess.STDOUT,
+                            env=env_for(tmp_path), start_new_session=True)
+    marker = tmp_path / run / "checkpoints" / checkpoint / "trainer_state.json"
+    deadline = time.monotonic() + 900
+    while not marker.exists():
+        assert proc.poll() is None, (tmp_path / f"{run}.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "no checkpoint in time"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
