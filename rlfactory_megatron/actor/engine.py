@@ -16,7 +16,7 @@ from rlfactory_megatron.models.builder import BuildOptions, build_model_chunks, 
 from rlfactory_megatron.models.conversion import iter_hf_tensors, load_hf_weights
 from rlfactory_megatron.models.hf_arch import ModelArch
 from rlfactory_megatron.models.pipeline import forward_backward
-from rlfactory_megatron.runtime.cpu_compat import cuda_available
+from rlfactory_megatron.runtime.cpu_compat import compute_device, cuda_available
 
 # loss_fn(micro_batch, model_output) -> (loss, metrics); runs on the last pipeline stage.
 MicroLossFn = Callable[[PackedMicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -63,7 +63,7 @@ class MegatronEngine:
     # ------------------------------------------------------------------ running micro-batches
     def run(self, plan: MicroBatchPlan, loss_fn: MicroLossFn, forward_only: bool) -> list[dict[str, Any]]:
         """All micro-batches of `plan` through the pipeline; returns metrics (last stage only)."""
-        device = _model_device()
+        device = compute_device()
         batches = [mb.to(device).as_model_batch(thd=self.thd_attention) for mb in plan.micro_batches]
 
         def adapt(batch, output):
@@ -149,10 +149,6 @@ class MegatronEngine:
         if self.trainable:
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
-
-
-def _model_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if cuda_available() else torch.device("cpu")
 
 
 def _build_optimizer(chunks, optim_cfg, distributed_optimizer: bool):

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from rlfactory_megatron.models.builder import ValueHead
 from rlfactory_megatron.models.hf_arch import ModelArch
 from rlfactory_megatron.models.hf_checkpoint import CheckpointError, HFCheckpointReader
+from rlfactory_megatron.runtime.cpu_compat import compute_device
 
 
 @dataclass(frozen=True)
@@ -254,7 +255,7 @@ def iter_hf_tensors(
                 bp = local[hf_names]
                 fulls = _merge_tp(bp, _gather_tp(source(bp.param), tp, tp_group), arch)
             else:
-                fulls = [torch.empty(shape, dtype=dt, device=_device()) for shape, dt in metas]
+                fulls = [torch.empty(shape, dtype=dt, device=compute_device()) for shape, dt in metas]
             for name, full in zip(hf_names, fulls):
                 if pp > 1:
                     dist.broadcast(full, src=pp_ranks[owner], group=pp_group)
@@ -266,7 +267,3 @@ def _full_meta(bp: BoundParam, arch: ModelArch, tp: int, source) -> list[tuple[t
     return [(shape, dt) for shape in _expected_full_shapes(bp, arch, tp)]
 
 
-def _device() -> torch.device:
-    from rlfactory_megatron.runtime.cpu_compat import cuda_available
-
-    return torch.device("cuda", torch.cuda.current_device()) if cuda_available() else torch.device("cpu")

@@ -121,6 +121,11 @@ def cuda_available() -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() > 0
 
 
+def compute_device() -> torch.device:
+    """Where this rank's model and its inputs live: the current CUDA device, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if cuda_available() else torch.device("cpu")
+
+
 def enable_cpu_compat() -> bool:
     """Install the adaptation once per process when there is no CUDA device. Returns whether active."""
     global _ENABLED
