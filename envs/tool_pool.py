@@ -25,6 +25,12 @@ _LATENCY_WINDOW = 100_000
 _DRIVER_SLACK_S = 2.0
 _SUBMIT_RETRIES = 3
 _RESTART_POLL_S = 0.1
+# Calls submitted together finish spread over about the time it took to start them. Once one has
+# finished, a result poll waits for the others of its submit, so that one message carries them all
+# rather than a trickle of small ones, but for no more than this share of the call's own run time
+# (a fast tool waits for nothing) and no more than the cap.
+_STRAGGLER_SHARE = 0.05
+_STRAGGLER_WAIT_MAX_S = 0.005
 
 
 def ensure_ray(num_cpus: int | None = None) -> None:
@@ -58,6 +64,16 @@ class ToolPoolConfig:
         return cls(tools=specs, **config)
 
 
+@dataclass(eq=False)
+class _Submitted:
+    """Calls an actor started together: they share a deadline, and their results travel together."""
+
+    timer: asyncio.TimerHandle
+    started: float
+    unfinished: int
+    any_finished: bool = False
+
+
 class ToolActor:
     """Holds one ToolBox in a Ray worker. `submit` starts calls and returns at once;
     `next_results` hands back everything finished since the last poll, so under load one Ray
@@ -67,7 +83,13 @@ class ToolActor:
         self._specs = specs
         self._box: ToolBox | None = None
         self._lock = asyncio.Lock()
-        self._finished: asyncio.Queue = asyncio.Queue()
+        # (call id, text, metadata, is_error): plain tuples pickle ~20x faster than ToolResults.
+        self._finished: list[tuple[int, str, dict[str, Any], bool]] = []
+        self._stragglers = 0  # unfinished calls of submits some of whose calls have finished
+        self._straggler_wait_s = 0.0
+        self._poll: asyncio.Future | None = None  # the waiting `next_results`, woken by `_done`
+        self._poll_wants_stragglers = False
+        self._polls = 0  # `next_results` calls so far: only the latest one takes results
         # Tells the driver which incarnation accepted a call, to know what a crash lost.
         self.incarnation = uuid.uuid4().hex
 
@@ -89,37 +111,68 @@ class ToolActor:
     async def submit(self, batch: list[tuple[int, str, dict[str, Any]]], timeout_s: float) -> str:
         box = await self._toolbox()
         tasks = [asyncio.ensure_future(box.run(name, args)) for _, name, args in batch]
+        loop = asyncio.get_running_loop()
         # One timer per batch, not per call: its calls started together and share the deadline.
-        timer = asyncio.get_running_loop().call_later(timeout_s, _cancel_all, tasks)
-        unfinished = [len(tasks)]
+        submitted = _Submitted(loop.call_later(timeout_s, _cancel_all, tasks), loop.time(), len(tasks))
         for (rid, name, _), task in zip(batch, tasks):
-            task.add_done_callback(functools.partial(self._done, rid, name, timeout_s, timer, unfinished))
+            task.add_done_callback(functools.partial(self._done, rid, name, timeout_s, submitted))
         return self.incarnation
 
-    def _done(self, rid: int, name: str, timeout_s: float, timer: asyncio.TimerHandle, unfinished: list[int],
-              task: asyncio.Task) -> None:
-        unfinished[0] -= 1
-        if not unfinished[0]:
-            timer.cancel()
+    def _done(self, rid: int, name: str, timeout_s: float, submitted: _Submitted, task: asyncio.Task) -> None:
+        submitted.unfinished -= 1
+        if not submitted.unfinished:
+            submitted.timer.cancel()
+        if submitted.any_finished:
+            self._stragglers -= 1
+        else:
+            submitted.any_finished = True
+            self._stragglers += submitted.unfinished
+            age = asyncio.get_running_loop().time() - submitted.started
+            self._straggler_wait_s = min(_STRAGGLER_WAIT_MAX_S, _STRAGGLER_SHARE * age)
         if task.cancelled():
-            result = ToolResult(f"tool '{name}' timed out after {timeout_s:g}s", {"error_kind": "timeout"}, True)
+            self._finished.append((rid, f"tool '{name}' timed out after {timeout_s:g}s", {"error_kind": "timeout"}, True))
         elif task.exception() is not None:
             exc = task.exception()
-            result = ToolResult(f"tool '{name}' failed: {type(exc).__name__}: {exc}", {"error_kind": "exception"}, True)
+            text = f"tool '{name}' failed: {type(exc).__name__}: {exc}"
+            self._finished.append((rid, text, {"error_kind": "exception"}, True))
         else:
             result = task.result()
-        self._finished.put_nowait((rid, result))
+            self._finished.append((rid, result.text, result.metadata, result.is_error))
+        poll = self._poll
+        if poll is not None and not poll.done() and not (self._poll_wants_stragglers and self._stragglers):
+            poll.set_result(None)
 
-    async def next_results(self, seen: str | None) -> tuple[str, list[tuple[int, ToolResult]]]:
-        """Waits for at least one finished call, then returns all finished ones, with this
-        incarnation's id. A driver that has not `seen` this incarnation gets the id at once, so
-        it learns of a restart (and re-runs what died) without waiting for a result."""
+    async def next_results(self, seen: str | None) -> tuple[str, list[tuple[int, str, dict[str, Any], bool]]]:
+        """Waits for at least one finished call (and briefly for the calls submitted with it), then
+        returns all finished ones as (call id, text, metadata, is_error), with this incarnation's
+        id. A driver that has not `seen` this incarnation gets the id at once, so it learns of a
+        restart (and re-runs what died) without waiting for a result."""
         if seen != self.incarnation:
             return self.incarnation, []
-        ready = [await self._finished.get()]
-        while not self._finished.empty():
-            ready.append(self._finished.get_nowait())
+        # A driver that gave up on a poll (e.g. Ray reported the actor unavailable for a moment)
+        # sends a new one; the old one then returns empty, as nobody reads its answer.
+        self._polls += 1
+        poll = self._polls
+        if self._poll is not None and not self._poll.done():
+            self._poll.set_result(None)
+        if not self._finished:
+            await self._wait(stragglers=False, timeout_s=None)
+        if poll == self._polls and self._stragglers and self._straggler_wait_s > 0:
+            await self._wait(stragglers=True, timeout_s=self._straggler_wait_s)
+        if poll != self._polls:
+            return self.incarnation, []
+        ready, self._finished = self._finished, []
         return self.incarnation, ready
+
+    async def _wait(self, stragglers: bool, timeout_s: float | None) -> None:
+        """Until a call finishes or, with `stragglers`, until no straggler is left (or `timeout_s`)."""
+        waiter = self._poll = asyncio.get_running_loop().create_future()
+        self._poll_wants_stragglers = stragglers
+        try:
+            await asyncio.wait([waiter], timeout=timeout_s)
+        finally:
+            if self._poll is waiter:
+                self._poll = None
 
 
 def _cancel_all(tasks: list[asyncio.Task]) -> None:
@@ -175,8 +228,9 @@ class _ActorLane:
     """Driver-side state of one actor: its free call slots and the calls it holds."""
 
     actor: Any
-    slots: asyncio.Semaphore
+    free: int  # call slots not held by a pending call
     pending: dict[int, _Request] = field(default_factory=dict)
+    sending: int = 0  # submits not yet accepted; meanwhile new calls for this actor gather in the queue
     live: str | None = None  # the actor incarnation that last answered
     dead: set[str] = field(default_factory=set)
 
@@ -184,9 +238,10 @@ class _ActorLane:
 class ToolPool:
     """`await pool.call(name, args)` always returns a ToolResult; failures come back as error results.
 
-    One bounded queue feeds a dispatcher per actor, which submits whatever is queued (up to the
-    actor's `max_concurrency` free slots) in one message; a long poll per actor brings results
-    back. Timeouts are enforced per call inside the actor, and by a watchdog here (with a little
+    Calls wait in one bounded queue; whatever is queued goes to an actor with free slots (up to its
+    `max_concurrency`) in one submit message, and while a submit to an actor is unanswered, its next
+    calls gather for the following one. A long poll per actor brings results back, many per
+    message. Timeouts are enforced per call inside the actor, and by a watchdog here (with a little
     slack) in case the actor itself stops answering.
 
     With a `cache` (and `config.use_cache`), calls of cacheable tools are looked up first (a hit
@@ -205,12 +260,11 @@ class ToolPool:
         actor_cls = ray.remote(ToolActor).options(
             num_cpus=config.num_cpus_per_actor, max_concurrency=config.max_concurrency + 2, max_restarts=-1
         )
-        self.lanes = [
-            _ActorLane(actor_cls.remote(config.tools), asyncio.Semaphore(config.max_concurrency))
-            for _ in range(config.num_actors)
-        ]
+        self.lanes = [_ActorLane(actor_cls.remote(config.tools), config.max_concurrency) for _ in range(config.num_actors)]
         self._metrics: dict[str, ToolMetrics] = defaultdict(ToolMetrics)
-        self._queue: asyncio.Queue[_Request] | None = None
+        self._queue: deque[_Request] | None = None
+        self._room = asyncio.Semaphore(config.max_queue)  # places left in the queue
+        self._wake = asyncio.Event()  # set when calls are queued or an actor can take more
         self._ids = itertools.count()
         self._tasks: set[asyncio.Task] = set()
 
@@ -223,9 +277,9 @@ class ToolPool:
         schemas = await asyncio.gather(*(lane.actor.schemas.remote() for lane in self.lanes))
         if self.cache is not None:
             self._cacheable = frozenset(await self.lanes[0].actor.cacheable_tools.remote())
-        self._queue = asyncio.Queue(maxsize=self.config.max_queue)
+        self._queue = deque()
+        self._spawn(self._dispatch_loop())
         for lane in self.lanes:
-            self._spawn(self._dispatch_loop(lane))
             self._spawn(self._result_loop(lane))
         self._spawn(self._watchdog())
         return schemas[0]
@@ -241,7 +295,9 @@ class ToolPool:
                 return ToolResult(hit.value, {**hit.metadata, "cache_hit": True})
             self._metrics[name].cache_misses += 1
         request = _Request(next(self._ids), name, args, asyncio.get_running_loop().create_future())
-        await self._queue.put(request)  # blocks while the queue is full: backpressure on the agent loop
+        await self._room.acquire()  # blocks while the queue is full: backpressure on the agent loop
+        self._queue.append(request)
+        self._wake.set()
         result = await request.done
         if cached and not result.is_error:
             self._store(name, args, result)
@@ -269,14 +325,24 @@ class ToolPool:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _dispatch_loop(self, lane: _ActorLane) -> None:
+    async def _dispatch_loop(self) -> None:
         while True:
-            batch = [await self._queue.get()]
-            await lane.slots.acquire()
-            while not self._queue.empty() and not lane.slots.locked():
-                await lane.slots.acquire()  # a free slot: returns at once
-                batch.append(self._queue.get_nowait())
-            self._submit(lane, batch)
+            await self._wake.wait()
+            self._wake.clear()
+            await asyncio.sleep(0)  # callers woken together queue their calls first, to share a submit
+            for lane in sorted(self.lanes, key=lambda lane: lane.free, reverse=True):
+                self._flush(lane)
+
+    def _flush(self, lane: _ActorLane) -> None:
+        """Submit queued calls to `lane`, as many as it has free slots, unless a submit to it is unanswered."""
+        take = 0 if lane.sending else min(lane.free, len(self._queue))
+        if not take:
+            return
+        batch = [self._queue.popleft() for _ in range(take)]
+        for _ in range(take):
+            self._room.release()
+        lane.free -= take
+        self._submit(lane, batch)
 
     def _submit(self, lane: _ActorLane, batch: list[_Request]) -> None:
         now = time.perf_counter()
@@ -284,6 +350,7 @@ class ToolPool:
             request.started = request.started or now
             request.incarnation = None
             lane.pending[request.rid] = request
+        lane.sending += 1
         # Ray re-sends a submit that reached no live actor (e.g. one sent while it restarts); the
         # calls of an incarnation that died after accepting them are re-run by _rerun_or_fail.
         ref = lane.actor.submit.options(max_task_retries=_SUBMIT_RETRIES).remote(
@@ -292,16 +359,25 @@ class ToolPool:
         self._spawn(self._await_acceptance(lane, batch, ref))
 
     async def _await_acceptance(self, lane: _ActorLane, batch: list[_Request], ref: Any) -> None:
+        refusal = None
         try:
             incarnation = await ref
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
             incarnation = None
+        except ray.exceptions.RayError as exc:  # the actor refused the calls: its tools failed to (re)build
+            incarnation, refusal = None, getattr(exc, "cause", None) or exc
+        lane.sending -= 1
         accepted = [r for r in batch if r.rid in lane.pending]
-        if incarnation is None or incarnation in lane.dead:
+        if refusal is not None:
+            for request in accepted:
+                error = f"tool '{request.name}' could not start: {type(refusal).__name__}: {refusal}"
+                self._finish(lane, request, ToolResult(error, {"error_kind": "exception"}, True))
+        elif incarnation is None or incarnation in lane.dead:
             self._rerun_or_fail(lane, accepted)
-            return
-        for request in accepted:
-            request.incarnation = incarnation
+        else:
+            for request in accepted:
+                request.incarnation = incarnation
+        self._flush(lane)  # the calls queued meanwhile, in one submit
 
     async def _result_loop(self, lane: _ActorLane) -> None:
         while True:
@@ -317,10 +393,15 @@ class ToolPool:
                 lane.live = incarnation
                 lost = [r for r in lane.pending.values() if r.incarnation not in (None, incarnation)]
                 self._rerun_or_fail(lane, lost)
-            for rid, result in ready:
+            for rid, text, metadata, is_error in ready:
                 request = lane.pending.get(rid)
                 if request is not None:
-                    self._finish(lane, request, result)
+                    self._finish(lane, request, ToolResult(text, metadata, is_error))
+            if ready:
+                # Callers these results woke queue their next calls first; they go to this actor
+                # before the next poll does (no result can come back for it before then anyway).
+                await asyncio.sleep(0)
+                self._flush(lane)
 
     def _rerun_or_fail(self, lane: _ActorLane, lost: list[_Request]) -> None:
         # Ray restarts the actor (max_restarts=-1); each lost call runs once more on it.
@@ -348,7 +429,8 @@ class ToolPool:
 
     def _finish(self, lane: _ActorLane, request: _Request, result: ToolResult) -> None:
         del lane.pending[request.rid]
-        lane.slots.release()
+        lane.free += 1
+        self._wake.set()
         self._metrics[request.name].record(result, time.perf_counter() - request.started)
         if not request.done.done():
             request.done.set_result(result)

@@ -132,7 +132,8 @@ def _report(
     pool_times: dict[tuple[str, int], float],
     overlap: tuple[float, float, float],
 ) -> None:
-    print(f"rlf-bench rewards: batch {args.batch_size}, best of {args.repeats}, {cpus:g} Ray CPUs")
+    print(f"rlf-bench rewards: batch {args.batch_size}, best of {args.repeats}, {cpus:g} Ray CPUs "
+          f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
     print(f"{'scorer':<8}{'in-process':>14}" + "".join(f"{f'pool x{n} worker(s)':>28}" for n in sizes))
     for name in scorers:
         row = f"{name:<8}{args.batch_size / local[name]:>10.0f} s/s"

@@ -60,7 +60,8 @@ def main(argv: list[str]) -> int:
     ensure_ray(num_cpus=os.cpu_count())
     r = asyncio.run(_run(args))
     print(f"rlf-bench tools: N={args.calls} callers x {args.rounds} calls, L={args.latency_ms:g} ms, "
-          f"{args.actors} actors x {args.max_concurrency} concurrency")
+          f"{args.actors} actors x {args.max_concurrency} concurrency "
+          f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
     print(f"  ideal (concurrency / L)   {r['ideal']:9.0f} calls/s")
     print(f"  in-process asyncio        {r['in_process']:9.0f} calls/s  {r['in_process'] / r['ideal']:6.1%} of ideal")
     print(f"  Ray tool pool             {r['pool']:9.0f} calls/s  {r['pool'] / r['ideal']:6.1%} of ideal")

@@ -1,12 +1,15 @@
-"""The Ray tool pool: results, failures (raise, hang, huge output, dead actor), backpressure, metrics."""
+"""The Ray tool pool: results, failures (raise, hang, huge output, dead actor), backpressure, metrics,
+and how calls are grouped into Ray messages."""
 import asyncio
+import os
 import time
 
 import pytest
 
+from rlfactory_megatron.envs import tool_pool
 from rlfactory_megatron.envs.tool_manager import truncate_observation
-from rlfactory_megatron.envs.tool_pool import ToolPool, ToolPoolConfig
-from rlfactory_megatron.envs.tools import ToolSpec
+from rlfactory_megatron.envs.tool_pool import ToolActor, ToolPool, ToolPoolConfig
+from rlfactory_megatron.envs.tools import BaseTool, ToolResult, ToolSpec
 
 FAULTS = [ToolSpec(f"rlf_fault_tools.{cls}") for cls in ("RaisingTool", "HangingTool", "HugeOutputTool", "SlowTool", "CrashingTool")]
 
@@ -83,12 +86,12 @@ def test_bounded_queue_and_concurrency_limit(ray_session):
     async def body(pool):
         calls = [asyncio.ensure_future(pool.call("slow", {"seconds": 0.3})) for _ in range(8)]
         await asyncio.sleep(0.1)
-        queued = pool._queue.qsize()
+        queued = len(pool._queue)
         blocked = sum(not c.done() for c in calls)
         return queued, blocked, await asyncio.gather(*calls)
 
     queued, blocked, results = with_pool(config, body)
-    assert queued == 3 and blocked == 8  # 2 running, 1 held by the dispatcher, 3 queued, 2 callers waiting
+    assert queued == 3 and blocked == 8  # 2 running, 3 queued, 3 callers waiting for room in the queue
     spans = sorted((r.metadata["start"], r.metadata["end"]) for r in results)
     overlapping = max(sum(s <= t < e for s, e in spans) for t, _ in spans)
     assert overlapping <= 2
@@ -122,3 +125,105 @@ def test_config_from_dict_rejects_unknown_keys(tmp_path):
     assert from_yaml.tools[0].cls == "python" and from_yaml.tools[0].params == {"cpu_time_s": 2}
     with pytest.raises(ValueError, match="num_actor"):
         ToolPoolConfig.from_dict({"tools": [], "num_actor": 3})
+
+
+class FragileTool(BaseTool):
+    """Builds only while the file `marker` does not exist: a tool its restarted actor cannot rebuild.
+    (Ray workers import it from this module by name, like the tools of rlf_fault_tools.)"""
+
+    name = "fragile"
+    description = "answers 'ok'"
+
+    def __init__(self, marker: str):
+        if os.path.exists(marker):
+            raise RuntimeError("fragile tool cannot be built")
+
+    async def execute(self, args):
+        return ToolResult("ok")
+
+
+def test_calls_an_actor_cannot_start_come_back_as_errors(ray_session, tmp_path):
+    marker = tmp_path / "broken"
+    spec = ToolSpec("test_tool_pool.FragileTool", {"marker": str(marker)})
+    config = ToolPoolConfig([spec], num_actors=1, num_cpus_per_actor=0, call_timeout_s=30)
+
+    async def body(pool):
+        before = await pool.call("fragile", {})
+        marker.touch()
+        actor = pool.actors[0]
+        old_pid = await actor.pid.remote()
+        ray_session.kill(actor, no_restart=False)
+        while await actor.pid.options(max_task_retries=5).remote() == old_pid:  # the kill takes a moment
+            await asyncio.sleep(0.05)
+        return before, await pool.call("fragile", {}), await pool.call("fragile", {})
+
+    before, after, again = with_pool(config, body)
+    assert before.text == "ok"
+    for result in (after, again):  # an error result at once, not a hang until the watchdog
+        assert result.is_error and "could not start" in result.text and "cannot be built" in result.text
+
+
+def test_calls_made_together_share_one_submit(ray_session):
+    config = ToolPoolConfig(FAULTS, num_actors=1, num_cpus_per_actor=0, max_concurrency=64, call_timeout_s=10)
+
+    async def body(pool):
+        sizes = []
+        submit = pool._submit
+
+        def counting_submit(lane, batch):
+            sizes.append(len(batch))
+            submit(lane, batch)
+
+        pool._submit = counting_submit
+        together = await asyncio.gather(*(pool.call("slow", {"seconds": 0.05}) for _ in range(64)))
+        burst, sizes[:] = sizes[:], []
+        trickle = []
+        for _ in range(10):  # one call per event-loop turn
+            trickle.append(asyncio.ensure_future(pool.call("slow", {"seconds": 0.05})))
+            await asyncio.sleep(0)
+        return burst, sizes, together + await asyncio.gather(*trickle)
+
+    burst, trickled, results = with_pool(config, body)
+    assert all(r.text == "done" and not r.is_error for r in results)
+    assert burst == [64]
+    # While a submit is unanswered, the calls behind it gather for the next one.
+    assert sum(trickled) == 10 and len(trickled) < 10
+
+
+def test_actor_returns_calls_submitted_together_in_one_poll(monkeypatch):
+    # Generous straggler waits, so that a loaded machine cannot split the batch; the defaults are ms.
+    monkeypatch.setattr(tool_pool, "_STRAGGLER_SHARE", 1.0)
+    monkeypatch.setattr(tool_pool, "_STRAGGLER_WAIT_MAX_S", 1.0)
+
+    async def go():
+        actor = ToolActor(FAULTS)
+        incarnation, nothing = await actor.next_results(None)
+        await actor.submit([(i, "slow", {"seconds": 0.2}) for i in range(50)], 10.0)
+        _, wave = await actor.next_results(incarnation)
+        # A call far slower than the one submitted with it holds that one back for a bounded time only.
+        await actor.submit([(100, "slow", {"seconds": 0.05}), (101, "slow", {"seconds": 30})], 60.0)
+        start = time.monotonic()
+        _, fast = await actor.next_results(incarnation)
+        return nothing, wave, fast, time.monotonic() - start
+
+    nothing, wave, fast, waited = asyncio.run(go())
+    assert nothing == []
+    assert sorted(rid for rid, *_ in wave) == list(range(50))
+    assert all(text == "done" and not is_error for _, text, _, is_error in wave)
+    assert [rid for rid, *_ in fast] == [100] and waited < 1.0
+
+
+def test_a_superseded_result_poll_returns_empty():
+    async def go():
+        actor = ToolActor(FAULTS)
+        incarnation, _ = await actor.next_results(None)
+        stale = asyncio.ensure_future(actor.next_results(incarnation))
+        await asyncio.sleep(0.05)
+        fresh = asyncio.ensure_future(actor.next_results(incarnation))  # as after a poll the driver gave up on
+        stale_answer = await stale
+        await actor.submit([(7, "slow", {"seconds": 0.0})], 10.0)
+        return incarnation, stale_answer, await fresh
+
+    incarnation, stale_answer, (_, results) = asyncio.run(go())
+    assert stale_answer == (incarnation, [])
+    assert [(rid, text) for rid, text, *_ in results] == [(7, "done")]

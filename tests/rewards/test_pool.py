@@ -5,7 +5,7 @@ import time
 import pytest
 
 from rlfactory_megatron.rewards import RewardConfigError, RewardFnSpec, RewardSample, build_reward_manager
-from rlfactory_megatron.rewards.pool import RewardPool
+from rlfactory_megatron.rewards.pool import RewardPool, pack_samples, unpack_samples
 
 TIMEOUT_S = 1.5
 
@@ -50,6 +50,32 @@ def test_pool_matches_in_process_scoring(ray_session):
     assert result.extras == expected.extras
     assert result.metrics() == expected.metrics()
     assert 0 < sum(s == 1.0 for s in result.scores) < len(samples)  # the batch has right and wrong answers
+
+
+def test_samples_travel_as_columns_in_pieces_ray_sends_inline():
+    samples = [
+        RewardSample("openai/gsm8k", "x" * 1000 + f"#### {i}", str(i), response_length=i, extra_info={"i": [i, None]})
+        for i in range(300)
+    ] + [RewardSample("d", "", 3.5), RewardSample("d", "r", {"answers": ("a", "b")}, extra_info={"nested": {"k": 1.0}})]
+    pieces = pack_samples(samples)
+    assert len(pieces) > 1 and all(len(piece) <= 64 * 1024 for piece in pieces)  # Ray's inline limit is 100 KiB
+    assert unpack_samples(pieces) == samples
+    assert unpack_samples(pack_samples([])) == []
+
+
+def test_a_batch_of_several_hundred_kib_scores_as_in_process(ray_session):
+    samples = [
+        RewardSample("openai/gsm8k", "Let me think step by step. " * 40 + f"#### {i if i % 3 else i + 1:,}", str(i), i % 50)
+        for i in range(900)
+    ]
+    expected = build_reward_manager("naive")(samples)
+    pool = RewardPool(num_workers=2, num_cpus_per_worker=0.5)
+    try:
+        result = pool.submit(samples).result()
+    finally:
+        pool.shutdown()
+    assert result == expected
+    assert 0 < sum(result.scores) < len(samples)
 
 
 def test_submit_returns_before_scoring_finishes(custom_pool):
