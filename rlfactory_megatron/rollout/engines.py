@@ -90,10 +90,16 @@ class VLLMEngine:
         reader = HFCheckpointReader(hf_dir)
         # The names and shapes a sync must deliver: those of the checkpoint the engine started from.
         self._weight_shapes = {name: reader.shape(name) for name in reader.names()}
+        on_cpu = not torch.cuda.is_available()
+        # On CPU, vLLM rewinds a seeded request's generator after a partial (chunked) prefill with
+        # an offset CPU generators do not have ("CPU Generator does not use offset"): prompts are
+        # prefilled whole there, so per-request seeds work.
+        chunking = {} if not on_cpu else {"enable_chunked_prefill": False,
+                                           "max_num_batched_tokens": max(8192, max_model_len)}
         self.llm = LLM(model=self.hf_dir, skip_tokenizer_init=True, dtype=dtype,
                        tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
                        max_num_seqs=max_num_seqs, gpu_memory_utilization=memory_utilization, seed=seed,
-                       enforce_eager=not torch.cuda.is_available(), enable_sleep_mode=enable_sleep_mode)
+                       enforce_eager=on_cpu, enable_sleep_mode=enable_sleep_mode, **chunking)
         self._request_counter = 0
 
     def weight_names(self) -> dict[str, tuple[int, ...]]:

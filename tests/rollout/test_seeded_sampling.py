@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from rlfactory_megatron.rollout.async_engine import AsyncBatchingEngine
+from rlfactory_megatron.rollout.async_engine import AsyncBatchingEngine, sampling_config
 
 pytestmark = pytest.mark.slow
 
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 def engine(tiny_hf_dirs):
     from rlfactory_megatron.rollout.engines import VLLMEngine
 
-    engine = VLLMEngine(tiny_hf_dirs["qwen3"], max_model_len=256, max_num_seqs=16)
+    engine = VLLMEngine(tiny_hf_dirs["qwen3"], max_model_len=256, max_num_seqs=64)
     yield engine
     engine.close()
 
@@ -34,6 +34,10 @@ def test_seeded_samples_do_not_depend_on_their_batch(engine):
             await adapter.close()
 
     alone, together, batches = asyncio.run(go())
+    # Many seeded requests at once: more prompt tokens than one engine step takes.
+    long_prompts = [[(7 * i + j) % 400 + 10 for j in range(200)] for i in range(48)]
+    crowd = engine.generate(long_prompts, sampling_config(config), seeds=list(range(48)))
+    assert [len(g[0].token_ids) for g in crowd] == [12] * 48
     assert batches == 1  # different seeds do not split the batch
     assert together[3][0] == alone[0] and together[3][1] == pytest.approx(alone[1], abs=1e-5)
     assert together[0][0] != alone[0]  # same prompt, another seed: another sample (random weights, T=1)
