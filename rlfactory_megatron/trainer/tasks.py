@@ -35,11 +35,13 @@ CALCULATOR_SYSTEM = "Use the calculator tool, then answer with #### and the numb
 
 
 def calculator_arithmetic(count: int, seed: int) -> list[PromptRecord]:
-    """'What is a op b?' problems whose answer the policy should get from the calculator tool."""
+    """'What is a op b?' problems whose answer the policy should get from the calculator tool.
+    Two-digit operands: every prompt has the same length, so copying them into the tool call is
+    a fixed-offset copy, which a tiny model learns within a short warm-start."""
     rng = random.Random(seed)
     records = []
     for _ in range(count):
-        a, b = rng.randint(2, 99), rng.randint(2, 99)
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
         op = rng.choice(["+", "-", "*"])
         answer = {"+": a + b, "-": a - b, "*": a * b}[op]
         records.append(PromptRecord(

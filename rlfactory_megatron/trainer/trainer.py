@@ -460,6 +460,8 @@ class Trainer:
 
     def close(self) -> None:
         if self.is_leader:
+            if getattr(self, "_loop", None) is not None:
+                self._loop.run_until_complete(self.async_engine.close())  # its batching task ends with the loop
             if self.tool_pool is not None:
                 self._loop.run_until_complete(self.tool_pool.close())
             self.reward_pool.shutdown()

@@ -14,7 +14,7 @@ from rlfactory_megatron.envs.storage import RolloutStore  # noqa: E402
 
 def test_killed_run_resumes_and_continues_exactly(tmp_path):
     # LR warm-up over 4 steps: the SFT warm-start trains at its own LR without advancing it.
-    full = rlf_train(tmp_path, "full", "trainer.total_steps=4", "actor.optim.warmup_steps=4")
+    full = rlf_train(tmp_path, "full", "trainer.total_steps=4", "actor.optim.warmup_steps=4", "actor.optim.lr=1e-6")
     assert full.returncode == 0, full.stderr[-3000:]
     assert "SFT warm-start done" in full.stdout and "validation before RL" in full.stdout
     assert "step 4/4 | reward" in full.stdout
@@ -38,8 +38,9 @@ def test_killed_run_resumes_and_continues_exactly(tmp_path):
                 assert all(r.advantages[r.loss_mask == 0] == 0)  # nothing to learn from tool output
     assert (run / "cache" / "tool_artifacts").is_dir()
 
-    kill_after_checkpoint(tmp_path, "killed", "step_000002", "trainer.total_steps=4", "actor.optim.warmup_steps=4")
-    resumed = rlf_train(tmp_path, "killed", "trainer.total_steps=4", "actor.optim.warmup_steps=4")
+    kill_after_checkpoint(tmp_path, "killed", "step_000002", "trainer.total_steps=4", "actor.optim.warmup_steps=4",
+                          "actor.optim.lr=1e-6")
+    resumed = rlf_train(tmp_path, "killed", "trainer.total_steps=4", "actor.optim.warmup_steps=4", "actor.optim.lr=1e-6")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "step_000002 at step 2" in resumed.stdout
     assert "SFT warm-start done" not in resumed.stdout  # warm-start belongs to a fresh run only
