@@ -31,7 +31,9 @@ def _compare_all() -> None:
         ref, got = (run(fused_logprob_entropy, *inputs, chunk_size=chunk, temperature=temp, impl=impl, vocab_size=vocab_size)
                     for impl in ("torch", "triton"))
         for name, a, b in zip(("logp", "entropy", "grad_hidden", "grad_weight"), got, ref):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name} T={T} V={V}: {m}")
+            # Two fp32 summation orders (numpy's BLAS in the interpreter, torch's MKL): on AMD Zen
+            # single gradient elements differ by ~1.3e-5; a wrong kernel is off by orders more.
+            torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-4, msg=lambda m: f"{name} T={T} V={V}: {m}")
 
 
 @pytest.mark.slow
