@@ -108,9 +108,10 @@ class PackedMicroBatch:
     gather_index: torch.Tensor  # [k, T]: packed position whose output predicts token t of sequence j
     token_valid: torch.Tensor  # [k, T] bool: gather_index is meaningful (1 <= t < length)
 
-    def as_model_batch(self, thd: bool = False) -> dict[str, Any]:
+    def as_model_batch(self, thd: bool = False, tail_chunk: int = 64) -> dict[str, Any]:
         """Model inputs. `thd`: Transformer-Engine attention takes sequence boundaries (cu_seqlens)
-        instead of a block mask; the padded tail counts as one more sequence."""
+        instead of a block mask; the padded tail counts as sequences of `tail_chunk` tokens (as
+        one sequence it would cost attention quadratic in its length, for outputs nobody reads)."""
         batch = {"input_ids": self.input_ids, "position_ids": self.position_ids, "packed": self}
         if not thd:
             batch["attention_mask"] = self.attention_mask
@@ -119,7 +120,7 @@ class PackedMicroBatch:
 
         starts = (self.position_ids[0] == 0).nonzero().flatten().tolist()
         used = int(self.token_valid.sum()) + len(self.rows)  # tokens of the packed sequences
-        bounds = [s for s in starts if s < used] + ([used] if used < self.input_ids.shape[1] else [])
+        bounds = [s for s in starts if s < used] + list(range(used, self.input_ids.shape[1], tail_chunk))
         cu = torch.tensor(bounds + [self.input_ids.shape[1]], dtype=torch.int32, device=self.input_ids.device)
         longest = int((cu[1:] - cu[:-1]).max())
         batch["packed_seq_params"] = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,

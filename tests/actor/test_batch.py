@@ -28,6 +28,8 @@ def test_thd_inputs_mark_every_sequence_and_the_padded_tail():
     params = batch["packed_seq_params"]
     assert "attention_mask" not in batch and params.qkv_format == "thd"
     assert params.cu_seqlens_q.tolist() == [0, 5, 8, 12, 16] and params.max_seqlen_q == 5
+    tail = mb.as_model_batch(thd=True, tail_chunk=3)["packed_seq_params"]  # a long tail: short pieces
+    assert tail.cu_seqlens_q.tolist() == [0, 5, 8, 12, 15, 16] and tail.max_seqlen_q == 5
 
 
 def test_dp_ranks_share_rows_by_tokens_and_run_the_same_number_of_micro_batches():
