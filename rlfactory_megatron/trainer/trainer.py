@@ -44,20 +44,14 @@ class Rollouts:
     stats: dict[str, float]
     trajectories: list[Any]  # envs.agent_loop.Trajectory, one per row
 
-    def select_groups(self, groups: list[int], n: int) -> "Rollouts":
-        """The rows of whole sample groups (each prompt's n consecutive rows), re-numbered."""
-        rows = [g * n + k for g in groups for k in range(n)]
-        return Rollouts(_batch_from_trajectories([self.trajectories[r] for r in rows], n),
-                        [self.records[r] for r in rows], [self.responses[r] for r in rows],
-                        [self.response_lengths[r] for r in rows], dict(self.stats),
-                        [self.trajectories[r] for r in rows])
-
     @staticmethod
-    def concat(parts: list["Rollouts"], n: int) -> "Rollouts":
-        trajectories = [t for part in parts for t in part.trajectories]
-        stats = {k: float(np.mean([p.stats[k] for p in parts])) for k in parts[0].stats}
-        return Rollouts(_batch_from_trajectories(trajectories, n), [r for p in parts for r in p.records],
-                        [x for p in parts for x in p.responses], [x for p in parts for x in p.response_lengths],
+    def of_rows(parts: list[tuple["Rollouts", list[int]]], n: int) -> "Rollouts":
+        """The given rows of one or more rollouts, in order, as one (the batch is built once)."""
+        picked = [(part, row) for part, rows in parts for row in rows]
+        trajectories = [part.trajectories[r] for part, r in picked]
+        stats = {k: float(np.mean([part.stats[k] for part, _ in parts])) for k in parts[0][0].stats}
+        return Rollouts(_batch_from_trajectories(trajectories, n), [part.records[r] for part, r in picked],
+                        [part.responses[r] for part, r in picked], [part.response_lengths[r] for part, r in picked],
                         stats, trajectories)
 
 
@@ -248,7 +242,8 @@ class Trainer:
         rollouts = self._rollout([self.records[i] for i in self.sampler.next(wanted)])
         if not self.preset.drop_uniform_groups:
             return rollouts, None
-        kept: list[Rollouts] = []
+        kept: list[tuple[Rollouts, list[int]]] = []
+        kept_rewards: list[tuple[Any, list[int]]] = []
         groups = seen = rounds = 0
         while True:
             reward = self.reward_pool.submit(self._reward_samples(rollouts)).result()
@@ -256,7 +251,9 @@ class Trainer:
             seen += len(scores)
             informative = [g for g in range(len(scores)) if np.ptp(scores[g]) > 0][: wanted - groups]
             if informative:
-                kept.append(rollouts.select_groups(informative, n))
+                rows = [g * n + k for g in informative for k in range(n)]
+                kept.append((rollouts, rows))
+                kept_rewards.append((reward, rows))
                 groups += len(informative)
             if groups >= wanted or rounds >= self.cfg.trainer.max_refill_rounds:
                 break
@@ -264,11 +261,12 @@ class Trainer:
             extra = [self.records[i] for i in self.sampler.next(wanted)]
             rollouts = self._rollout(extra, first_row=seen * n)
         if not kept:  # nothing informative at all: train on the last draw (zero advantages)
-            kept = [rollouts]
-        final = Rollouts.concat(kept, n)
+            everything = list(range(len(rollouts.trajectories)))
+            kept, kept_rewards = [(rollouts, everything)], [(reward, everything)]
+        final = Rollouts.of_rows(kept, n)
         final.stats.update({"rollout/groups_kept": float(groups), "rollout/groups_seen": float(seen),
                             "rollout/refill_rounds": float(rounds)})
-        return final, self.reward_pool.submit(self._reward_samples(final)).result()
+        return final, _reward_rows(kept_rewards)  # the scores already computed, not scored again
 
     def _rollout(self, records: list[PromptRecord], greedy: bool = False, first_row: int = 0) -> Rollouts:
         """Rank 0: n agent-loop trajectories per prompt, one coroutine each. `first_row` numbers
@@ -470,6 +468,15 @@ class Trainer:
             for store in (self.rollout_store, self.artifacts):
                 if store is not None:
                     store.close()
+
+
+def _reward_rows(parts):
+    """The given rows of one or more RewardResults, in order, as one."""
+    from rlfactory_megatron.rewards.records import RewardResult
+
+    picked = [(result, row) for result, rows in parts for row in rows]
+    return RewardResult([r.scores[i] for r, i in picked], [r.response_lengths[i] for r, i in picked],
+                        [r.extras[i] for r, i in picked], [r.errors[i] for r, i in picked])
 
 
 def _pad_rows(ids_list: list[list[int]], masks: list[list[int]], group_size: int = 1) -> RolloutBatch:
