@@ -77,6 +77,12 @@ def validate_static(cfg) -> None:
         value = OmegaConf.select(cfg, key)
         if value < 1:
             raise ConfigError(f"{key}={value} must be >= 1")
+    if not cfg.trainer.data_path:
+        from rlfactory_megatron.trainer.tasks import TASKS
+
+        if cfg.trainer.task not in TASKS:
+            raise ConfigError(f"trainer.task='{cfg.trainer.task}' is not a built-in task; choose one of: "
+                              f"{', '.join(TASKS)} (or give trainer.data_path)")
     if cfg.parallel.vpp is not None and cfg.parallel.pp < 2:
         raise ConfigError(f"parallel.vpp={cfg.parallel.vpp} needs parallel.pp >= 2 (or set parallel.vpp=null)")
 

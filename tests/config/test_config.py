@@ -69,3 +69,9 @@ def test_example_cluster_configs_load_and_fit_their_models(name):
     arch = arch_from_hf_config(shapes["qwen3" if name.startswith("qwen3") else "qwen2_5"])
     world = 16 if "2node" in name else 8
     validate_against_model(cfg, arch, world)
+
+
+def test_unknown_builtin_task_is_named():
+    with pytest.raises(ConfigError, match="trainer.task='nope' is not a built-in task; choose one of: calculator"):
+        load_config(None, ["trainer.task=nope"])
+    assert load_config(None, ["trainer.task=nope", "trainer.data_path=x.jsonl"]).trainer.task == "nope"
