@@ -94,23 +94,32 @@ class PolicyModel:
     """
 
     def __init__(self, arch: ModelArch, hf_dir: str | None, build: BuildOptions, max_tokens: int,
-                 optim_cfg=None, total_steps: int = 1, fused_logprob: bool = True) -> None:
+                 optim_cfg=None, total_steps: int = 1, fused_logprob: bool = True, temperature: float = 1.0) -> None:
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0 (the sampling temperature the log-probs are of), got {temperature}")
         self.arch = arch
         self.max_tokens = max_tokens
         self.fused_logprob = fused_logprob
+        self.temperature = temperature
         build = replace(build, output_hidden_states=fused_logprob)
         self.engine = MegatronEngine(arch, hf_dir, build, optim_cfg, total_steps)
 
     def _token_outputs(self, mb: PackedMicroBatch, output: torch.Tensor, entropy: bool) -> dict[str, torch.Tensor]:
-        """Per-token log-probs (+ entropy) from the last stage's output: hidden states or vocab-parallel logits."""
+        """Per-token log-probs (+ entropy) from the last stage's output: hidden states or vocab-parallel logits.
+
+        Both are of softmax(logits / temperature), the distribution the rollout engine samples from
+        (and reports log-probs of), so ratios and gradients are those of the policy that acted."""
         vocab = self.arch.vocab_size  # megatron's padding rows/columns past it get no probability
         if self.fused_logprob:
             # This runs on the last pipeline stage, whose last model chunk produced `output`.
             log_probs, entropies = fused_logprob_entropy(
                 output, lm_output_weight(self.engine.modules()[-1]), mb.targets,
                 tp_group=_parallel().get_tensor_model_parallel_group(), vocab_size=vocab,
+                temperature=self.temperature,
             )
         else:
+            if self.temperature != 1.0:
+                output = output / self.temperature
             log_probs = vocab_parallel_log_probs(output, mb.targets, vocab)
             entropies = vocab_parallel_entropy(output, vocab) if entropy else None
         out = {"log_probs": mb.unpack(log_probs)}
@@ -134,16 +143,17 @@ class Actor(PolicyModel):
     """The trained policy: PPO-family update over `ppo_epochs` x mini-batches."""
 
     def __init__(self, actor_cfg, arch: ModelArch, hf_dir: str | None, build: BuildOptions, total_steps: int,
-                 norm_length: int | None = None) -> None:
+                 norm_length: int | None = None, temperature: float = 1.0) -> None:
         super().__init__(arch, hf_dir, build, actor_cfg.max_tokens_per_microbatch, actor_cfg.optim, total_steps,
-                         fused_logprob=actor_cfg.use_fused_logprob)
+                         fused_logprob=actor_cfg.use_fused_logprob, temperature=temperature)
         self.cfg = actor_cfg
         self.norm_length = norm_length
 
     def _loss_fn(self, mini: RolloutBatch, plan: MicroBatchPlan):
         cfg = self.cfg
         agg = _agg_options(plan, cfg.loss_agg_mode, self.norm_length)
-        need_entropy = cfg.entropy_coeff != 0.0
+        on_policy = mini.old_log_probs is None  # see updates_on_policy
+        need_entropy = cfg.entropy_coeff != 0.0 or on_policy  # on-policy: also the step's entropy metric
 
         def loss_fn(mb: PackedMicroBatch, output: torch.Tensor):
             if not mb.rows:  # a padding-only micro-batch of a DP rank with fewer cuts
@@ -153,8 +163,9 @@ class Actor(PolicyModel):
             take = partial(_slice, rows=rows, width=width, device=output.device)
             mask = take(mini.loss_mask)
             out = self._token_outputs(mb, output, need_entropy)
+            old_log_probs = out["log_probs"].detach() if on_policy else take(mini.old_log_probs)
             policy = compute_policy_loss(
-                cfg.policy_loss, out["log_probs"], take(mini.old_log_probs), take(mini.advantages),
+                cfg.policy_loss, out["log_probs"], old_log_probs, take(mini.advantages),
                 mask, clip_low=cfg.clip_ratio_low, clip_high=cfg.clip_ratio_high,
                 clip_ratio_c=cfg.clip_ratio_c if cfg.policy_loss == "dual-clip" else None,
                 agg_mode=cfg.loss_agg_mode, **agg)
@@ -175,10 +186,21 @@ class Actor(PolicyModel):
 
         return loss_fn
 
+    def updates_on_policy(self, rows: int) -> bool:
+        """Whether an update of `rows` rows is one optimizer step over all of them (one epoch, one
+        mini-batch): the policy being updated is then the one that sampled the batch, its old
+        log-probs are the update's own forward pass (detached; ratio exactly 1), and the separate
+        log-prob pass can be skipped (update() accepts old_log_probs=None)."""
+        return self.cfg.ppo_epochs == 1 and self.cfg.mini_batch_size >= rows
+
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """One PPO update; returns averaged metrics (same on every rank)."""
-        if batch.old_log_probs is None or batch.advantages is None:
-            raise ValueError("actor update needs old_log_probs and advantages on the batch")
+        if batch.advantages is None:
+            raise ValueError("actor update needs advantages on the batch")
+        if batch.old_log_probs is None and not self.updates_on_policy(batch.batch_size):
+            raise ValueError(f"actor update needs old_log_probs on the batch: {batch.batch_size} rows take more than "
+                             f"one optimizer step (actor.ppo_epochs={self.cfg.ppo_epochs}, "
+                             f"actor.mini_batch_size={self.cfg.mini_batch_size})")
         if self.cfg.kl_loss_coef > 0 and batch.ref_log_probs is None:
             raise ValueError("actor.kl_loss_coef > 0 needs ref_log_probs on the batch")
         return _run_updates(self.engine, batch, self.cfg.ppo_epochs, self.cfg.mini_batch_size,

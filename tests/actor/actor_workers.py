@@ -66,6 +66,34 @@ def update_worker(hf_dir: str, tp: int, pp: int, overrides: dict, perturb_masked
         destroy_distributed()
 
 
+def on_policy_worker(hf_dir: str, tp: int, pp: int, mini_batch_size: int) -> dict:
+    """The same update twice from the same start: with old log-probs from a separate forward pass,
+    and with none (the update's own, detached); and whether the second form is refused."""
+    init_distributed(ParallelSizes(tp, pp), seed=7)
+    try:
+        cfg = actor_config(**{"actor.kl_loss_coef": 0.0, "actor.entropy_coeff": 0.0,
+                              "actor.mini_batch_size": mini_batch_size})
+        arch = load_arch(hf_dir)
+        out = {}
+        for name in ("separate_pass", "own_forward"):
+            actor = Actor(cfg.actor, arch, hf_dir, BuildOptions(), total_steps=10)
+            batch = make_batch(arch.vocab_size)
+            if name == "separate_pass":
+                old = actor.compute_log_probs(batch, with_entropy=True)
+                batch = batch.with_fields(old_log_probs=old["log_probs"])
+                out["entropy_old"] = float(old["entropy"][batch.loss_mask > 0].mean())
+            try:
+                metrics = actor.update(batch)
+            except ValueError as err:
+                out[name] = {"error": str(err)}
+                continue
+            out[name] = {"metrics": metrics, "weights": dict(actor.engine.iter_hf_weights())}
+        out["on_policy"] = actor.updates_on_policy(batch.batch_size)
+        return out
+    finally:
+        destroy_distributed()
+
+
 def critic_worker(hf_dir: str, tp: int, pp: int) -> dict:
     init_distributed(ParallelSizes(tp, pp), seed=7)
     try:

@@ -48,6 +48,27 @@ def test_update_is_the_same_at_every_layout(reference, tiny_hf_dirs, tp, pp, dp)
         assert torch.allclose(r["old_log_probs"], reference["old_log_probs"], atol=1e-5)
 
 
+@pytest.mark.parametrize("tp,pp", [(1, 1), (1, 2)])
+def test_on_policy_update_needs_no_separate_log_prob_pass(tiny_hf_dirs, tp, pp):
+    # One optimizer step over the whole batch: old log-probs from the update's own forward give the
+    # same step as a separate pass (ratio 1), and the same entropy.
+    out = spawn_local_workers(actor_workers.on_policy_worker, tp * pp, tiny_hf_dirs["qwen3"], tp, pp, 6)[0]
+    assert out["on_policy"]
+    a, b = out["separate_pass"], out["own_forward"]
+    assert a["metrics"]["actor/grad_norm"] > 0
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/clip_frac"):
+        assert b["metrics"][key] == pytest.approx(a["metrics"][key], abs=1e-6), key
+    for name, tensor in a["weights"].items():
+        assert (tensor - b["weights"][name]).abs().max() <= 1e-6, name
+    assert b["metrics"]["actor/entropy"] == pytest.approx(out["entropy_old"], rel=1e-5)
+
+
+def test_update_without_old_log_probs_is_refused_when_it_takes_several_steps(tiny_hf_dirs):
+    out = spawn_local_workers(actor_workers.on_policy_worker, 1, tiny_hf_dirs["qwen3"], 1, 1, 3)[0]
+    assert not out["on_policy"] and "weights" in out["separate_pass"]
+    assert "actor.mini_batch_size=3" in out["own_forward"]["error"]
+
+
 def test_masked_tokens_contribute_nothing(reference, tiny_hf_dirs):
     perturbed = run(tiny_hf_dirs["qwen3"], perturb_masked=True)[0]
     assert_same_update(reference, perturbed, tol=1e-6)
