@@ -99,7 +99,10 @@ class VLLMEngine:
         self.llm = LLM(model=self.hf_dir, skip_tokenizer_init=True, dtype=dtype,
                        tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
                        max_num_seqs=max_num_seqs, gpu_memory_utilization=memory_utilization, seed=seed,
-                       enforce_eager=on_cpu, enable_sleep_mode=enable_sleep_mode, **chunking)
+                       enforce_eager=on_cpu, enable_sleep_mode=enable_sleep_mode,
+                       # log-probs of the tempered (and top-k/top-p renormalized) distribution sampled
+                       # from: what the trainer's log-probs at rollout.temperature are compared with
+                       logprobs_mode="processed_logprobs", **chunking)
         self._request_counter = 0
 
     def weight_names(self) -> dict[str, tuple[int, ...]]:

@@ -79,9 +79,13 @@ class Trainer:
                              recompute_activations=cfg.model.recompute_activations,
                              sequence_parallel=cfg.parallel.sequence_parallel)
         total = cfg.trainer.total_steps * cfg.actor.ppo_epochs
-        self.actor = Actor(cfg.actor, self.arch, hf_dir, build, total, norm_length=cfg.rollout.max_response_tokens)
+        # Log-probs of the distribution the rollout samples from (rollout.temperature 0 = greedy
+        # sampling, which RL cannot learn from; its log-probs are taken at 1).
+        temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+        self.actor = Actor(cfg.actor, self.arch, hf_dir, build, total, norm_length=cfg.rollout.max_response_tokens,
+                           temperature=temperature)
         self.reference = (PolicyModel(self.arch, hf_dir, build, cfg.actor.max_tokens_per_microbatch,
-                                      fused_logprob=cfg.actor.use_fused_logprob)
+                                      fused_logprob=cfg.actor.use_fused_logprob, temperature=temperature)
                           if cfg.actor.kl_loss_coef > 0 else None)
         self.critic = (Critic(cfg.critic, cfg.actor, self.arch, hf_dir, build, total)
                        if self.preset.use_critic or cfg.critic.enable else None)
@@ -188,8 +192,10 @@ class Trainer:
         if self.is_leader and reward is None:
             future = self.reward_pool.submit(self._reward_samples(rollouts))  # scored while log-probs run
         batch = rollouts.batch
-        old = self.actor.compute_log_probs(batch, with_entropy=True)
-        batch = batch.with_fields(old_log_probs=old["log_probs"])
+        old = None
+        if not self.actor.updates_on_policy(batch.batch_size):  # on-policy: the update's own forward gives them
+            old = self.actor.compute_log_probs(batch, with_entropy=True)
+            batch = batch.with_fields(old_log_probs=old["log_probs"])
         if self.reference is not None:
             batch = batch.with_fields(ref_log_probs=self.reference.compute_log_probs(batch)["log_probs"])
         if self.critic is not None:
@@ -226,7 +232,11 @@ class Trainer:
         metrics.update(reward.metrics())
         metrics.update(rollouts.stats)
         mask = batch.loss_mask > 0
-        metrics["actor/entropy_old"] = float(old["entropy"][mask].mean()) if mask.any() else 0.0
+        if old is not None:
+            metrics["actor/entropy_old"] = float(old["entropy"][mask].mean()) if mask.any() else 0.0
+            metrics.update(_rollout_logprob_gap(rollouts.trajectories, old["log_probs"], mask))
+        else:  # the entropy of the same policy, from the update's forward pass
+            metrics["actor/entropy_old"] = metrics["actor/entropy"]
         metrics["perf/tokens_per_s"] = tokens / max(step_time, 1e-9)
         metrics["perf/step_s"] = step_time
         return metrics
@@ -495,6 +505,20 @@ def _batch_from_trajectories(trajectories, group_size: int) -> RolloutBatch:
     ids = [t.prompt_ids + t.response_ids for t in trajectories]
     masks = [[0] * len(t.prompt_ids) + list(t.loss_mask) for t in trajectories]
     return _pad_rows(ids, masks, group_size)
+
+
+def _rollout_logprob_gap(trajectories, trainer_log_probs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """How far the rollout engine's log-probs of the sampled tokens are from the trainer's on the
+    same weights: ~0 when the weights synced and the token alignment holds; a gap that grows
+    means the engine samples from another policy than the one trained (off-policy drift)."""
+    rollout = torch.zeros_like(trainer_log_probs)
+    for row, traj in enumerate(trajectories):
+        start = len(traj.prompt_ids)
+        rollout[row, start:start + len(traj.logprobs)] = torch.tensor(traj.logprobs, dtype=rollout.dtype)
+    if not mask.any():
+        return {}
+    gap = (trainer_log_probs - rollout).abs()[mask]
+    return {"rollout/logprob_gap_mean": float(gap.mean()), "rollout/logprob_gap_max": float(gap.max())}
 
 
 def _place_on_last_token(scores: list[float], batch: RolloutBatch) -> torch.Tensor:

@@ -58,17 +58,17 @@ def _leader_engine(hf_dir: str, ray_address: str | None):
 
 
 def sync_worker(hf_dir: str, tp: int, pp: int, bucket_mb: float, steps: int = 1, break_sync: bool = False,
-                ray_address: str | None = None) -> dict:
+                ray_address: str | None = None, temperature: float = 1.0) -> dict:
     """Sync actor -> vLLM; compare vLLM's log-probs of its samples with the actor's, before/after updates."""
     init_distributed(ParallelSizes(tp, pp), seed=3)
     try:
         cfg = load_config(overrides=["actor.optim.lr=1e-3", "actor.optim.adam_eps=1e-4",
                                      "actor.max_tokens_per_microbatch=256", "actor.mini_batch_size=16"])
         arch = load_arch(hf_dir)
-        actor = Actor(cfg.actor, arch, hf_dir, BuildOptions(), total_steps=10)
+        actor = Actor(cfg.actor, arch, hf_dir, BuildOptions(), total_steps=10, temperature=temperature)
         engine, transport = _leader_engine(hf_dir, ray_address)
         initial = PolicyModel(arch, hf_dir, BuildOptions(), 256) if break_sync else None
-        sampling = SamplingConfig(n=2, temperature=1.0, max_tokens=12, seed=11)
+        sampling = SamplingConfig(n=2, temperature=temperature, max_tokens=12, seed=11)
         report = {"max_diff": [], "mean_engine_lp": [], "sync": []}
         for step in range(steps + 1):
             if step > 0:  # an optimizer step, then a re-sync
@@ -97,6 +97,11 @@ def sync_worker(hf_dir: str, tp: int, pp: int, bucket_mb: float, steps: int = 1,
                 report.setdefault("max_diff_vs_initial", []).append((initial_lp - engine_lp)[mask].abs().max().item())
             if step == 0:
                 report["first_generations"] = generations
+                if temperature != 1.0:  # the same tokens' log-probs untempered: what a T-blind trainer would see
+                    actor.temperature = 1.0
+                    untempered = actor.compute_log_probs(batch)["log_probs"]
+                    actor.temperature = temperature
+                    report["max_diff_untempered"] = (untempered - engine_lp)[mask].abs().max().item()
         report["rank"] = dist.get_rank()
         if engine is not None:
             engine.close()

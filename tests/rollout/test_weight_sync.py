@@ -26,6 +26,17 @@ def test_vllm_log_probs_equal_actor_log_probs_after_each_sync(tiny_hf_dirs, tp, 
     assert sync["buckets"] > 10 and sync["max_bucket_bytes"] <= max(0.1 * 2**20, 512 * 128 * 4)
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_actor_log_probs_are_of_the_tempered_distribution_vllm_samples(tiny_hf_dirs, tp):
+    # rollout.temperature 0.6: vLLM reports log-probs of softmax(logits / 0.6) (processed_logprobs);
+    # the actor's (fused, vocab-parallel at tp=2) must be of the same distribution before and after a sync.
+    report = spawn_local_workers(rollout_workers.sync_worker, tp, tiny_hf_dirs["qwen3"], tp, 1, 1.0, 1,
+                                 False, None, 0.6)[0]
+    before, after = report["max_diff"]
+    assert before <= 1e-3 and after <= 1e-3, report
+    assert report["max_diff_untempered"] > 0.05  # the check would catch log-probs taken at temperature 1
+
+
 def test_refused_sync_names_the_tensor_and_engine_keeps_serving_old_weights(tiny_hf_dirs):
     report = spawn_local_workers(rollout_workers.sync_worker, 1, tiny_hf_dirs["llama"], 1, 1, 1.0, 1, True)[0]
     assert "model.layers.99.mlp.up_proj.weight" in report["sync_error"]
