@@ -104,22 +104,25 @@ class PolicyModel:
         build = replace(build, output_hidden_states=fused_logprob)
         self.engine = MegatronEngine(arch, hf_dir, build, optim_cfg, total_steps)
 
-    def _token_outputs(self, mb: PackedMicroBatch, output: torch.Tensor, entropy: bool) -> dict[str, torch.Tensor]:
+    def _token_outputs(self, mb: PackedMicroBatch, output: torch.Tensor, entropy: bool,
+                       temperature: float | None = None) -> dict[str, torch.Tensor]:
         """Per-token log-probs (+ entropy) from the last stage's output: hidden states or vocab-parallel logits.
 
-        Both are of softmax(logits / temperature), the distribution the rollout engine samples from
-        (and reports log-probs of), so ratios and gradients are those of the policy that acted."""
+        Both are of softmax(logits / temperature), by default the distribution the rollout engine
+        samples from (and reports log-probs of), so ratios and gradients are those of the policy
+        that acted; supervised steps pass 1.0 (the model's own distribution)."""
+        temperature = self.temperature if temperature is None else temperature
         vocab = self.arch.vocab_size  # megatron's padding rows/columns past it get no probability
         if self.fused_logprob:
             # This runs on the last pipeline stage, whose last model chunk produced `output`.
             log_probs, entropies = fused_logprob_entropy(
                 output, lm_output_weight(self.engine.modules()[-1]), mb.targets,
                 tp_group=_parallel().get_tensor_model_parallel_group(), vocab_size=vocab,
-                temperature=self.temperature,
+                temperature=temperature,
             )
         else:
-            if self.temperature != 1.0:
-                output = output / self.temperature
+            if temperature != 1.0:
+                output = output / temperature
             log_probs = vocab_parallel_log_probs(output, mb.targets, vocab)
             entropies = vocab_parallel_entropy(output, vocab) if entropy else None
         out = {"log_probs": mb.unpack(log_probs)}
@@ -214,7 +217,8 @@ class Actor(PolicyModel):
                 return output.sum() * 0.0, {"rows": []}
             width = mb.gather_index.shape[1]
             mask = _slice(mini.loss_mask, mb.rows, width, output.device)
-            nll = aggregate_loss(-self._token_outputs(mb, output, False)["log_probs"], mask, "token-mean", **agg)
+            log_probs = self._token_outputs(mb, output, False, temperature=1.0)["log_probs"]
+            nll = aggregate_loss(-log_probs, mask, "token-mean", **agg)
             return _undo_schedule_averaging(nll, plan), {"rows": mb.rows, "sft/loss": nll.detach(),
                                                          "tokens": mask.sum()}
 

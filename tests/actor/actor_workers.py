@@ -94,6 +94,25 @@ def on_policy_worker(hf_dir: str, tp: int, pp: int, mini_batch_size: int) -> dic
         destroy_distributed()
 
 
+def sft_worker(hf_dir: str, temperature: float) -> dict:
+    """The NLL an SFT step reports, and the same NLL from log-probs at temperature 1 (the model's own)."""
+    init_distributed(ParallelSizes(1, 1), seed=7)
+    try:
+        cfg = actor_config()
+        arch = load_arch(hf_dir)
+        actor = Actor(cfg.actor, arch, hf_dir, BuildOptions(), total_steps=10, temperature=temperature)
+        batch = make_batch(arch.vocab_size)
+        mask = batch.loss_mask > 0
+        actor.temperature = 1.0
+        nll_t1 = -float(actor.compute_log_probs(batch)["log_probs"][mask].mean())
+        actor.temperature = temperature
+        nll_tempered = -float(actor.compute_log_probs(batch)["log_probs"][mask].mean())
+        metrics = actor.sft_update(batch)
+        return {"sft_loss": metrics["sft/loss"], "nll_t1": nll_t1, "nll_tempered": nll_tempered}
+    finally:
+        destroy_distributed()
+
+
 def critic_worker(hf_dir: str, tp: int, pp: int) -> dict:
     init_distributed(ParallelSizes(tp, pp), seed=7)
     try:

@@ -69,6 +69,13 @@ def test_update_without_old_log_probs_is_refused_when_it_takes_several_steps(tin
     assert "actor.mini_batch_size=3" in out["own_forward"]["error"]
 
 
+def test_sft_step_trains_the_untempered_distribution(tiny_hf_dirs):
+    # An actor whose RL log-probs are at rollout.temperature 0.6 still fits demonstrations at 1.0.
+    out = spawn_local_workers(actor_workers.sft_worker, 1, tiny_hf_dirs["qwen3"], 0.6)[0]
+    assert out["sft_loss"] == pytest.approx(out["nll_t1"], rel=1e-5)
+    assert abs(out["nll_tempered"] - out["nll_t1"]) > 1e-2
+
+
 def test_masked_tokens_contribute_nothing(reference, tiny_hf_dirs):
     perturbed = run(tiny_hf_dirs["qwen3"], perturb_masked=True)[0]
     assert_same_update(reference, perturbed, tol=1e-6)
