@@ -81,19 +81,28 @@ def balanced_partition(lengths: list[int], parts: int) -> list[list[int]]:
 
 
 def cut_by_token_budget(lengths: list[int], rows: list[int], max_tokens: int) -> list[list[int]]:
-    """Consecutive runs of rows whose token total fits the budget (a longer row gets its own)."""
-    cuts: list[list[int]] = []
+    """`rows` cut into as few micro-batches as a greedy fill of `max_tokens` needs, balanced by
+    tokens: every micro-batch is padded to the longest one, so a greedy fill's short last cut
+    (31 rows + 1 row) would cost a whole budget of padding. Falls back to the greedy cuts in the
+    rare case balancing overflows the budget (a longer row always gets its own cut)."""
+    greedy: list[list[int]] = []
     current: list[int] = []
     used = 0
     for row in rows:
         if current and used + lengths[row] > max_tokens:
-            cuts.append(current)
+            greedy.append(current)
             current, used = [], 0
         current.append(row)
         used += lengths[row]
     if current:
-        cuts.append(current)
-    return cuts
+        greedy.append(current)
+    if len(greedy) < 2:
+        return greedy
+    parts = balanced_partition([lengths[r] for r in rows], len(greedy))
+    balanced = [[rows[i] for i in part] for part in parts]
+    if all(part and sum(lengths[r] for r in part) <= max_tokens for part in balanced):
+        return balanced
+    return greedy
 
 
 @dataclass

@@ -39,3 +39,22 @@ def test_dp_ranks_share_rows_by_tokens_and_run_the_same_number_of_micro_batches(
     assert rows == [0, 1, 2]
     assert len(plans[0].micro_batches) == len(plans[1].micro_batches)
     assert plans[0].num_tokens == plans[1].num_tokens == int(batch.loss_mask.sum())
+
+
+def test_micro_batches_are_balanced_so_padding_stays_small():
+    # A greedy fill of 100 tokens cuts 9 x 11 rows + 1 row, both padded to 104; balanced: 2 x ~55.
+    lengths = torch.tensor([11] * 10)
+    batch = RolloutBatch(torch.ones(10, 11, dtype=torch.long), lengths, torch.ones(10, 11))
+    plan = plan_micro_batches(batch, max_tokens=100, dp_rank=0, dp_size=1)
+    assert [len(mb.rows) for mb in plan.micro_batches] == [5, 5]
+    assert plan.padded_length == 56
+    assert sorted(r for mb in plan.micro_batches for r in mb.rows) == list(range(10))
+
+
+def test_cuts_never_exceed_the_budget():
+    lengths = torch.tensor([60, 50, 50, 40, 30, 20, 10, 90])
+    batch = RolloutBatch(torch.ones(8, 90, dtype=torch.long), lengths, torch.ones(8, 90))
+    for budget in (90, 100, 120, 200, 350):
+        plan = plan_micro_batches(batch, max_tokens=budget, dp_rank=0, dp_size=1)
+        assert all(sum(int(lengths[r]) for r in mb.rows) <= budget for mb in plan.micro_batches), budget
+        assert sorted(r for mb in plan.micro_batches for r in mb.rows) == list(range(8))
