@@ -8,7 +8,7 @@ from pathlib import Path
 from rlfactory_megatron.models.tiny import make_tiny_hf_model
 
 TINY_SCHEME = "tiny://"
-TINY_VERSION = "v2"  # bump when the tiny model or tokenizer recipe changes
+TINY_VERSION = "v3"  # bump when the tiny model or tokenizer recipe changes
 
 
 def cache_root() -> Path:

@@ -32,6 +32,11 @@ class Task:
 TASKS: Registry[Task] = Registry("built-in task")
 
 CALCULATOR_SYSTEM = "Use the calculator tool, then answer with #### and the number."
+# Share of the demonstrations that call the calculator; the others answer straight away (right,
+# as someone who did the sum in their head would). A policy warm-started on them calls the tool
+# about this often and, being too small to do arithmetic itself, is mostly wrong when it does
+# not: what RL has to discover is that the tool call pays.
+CALCULATOR_TOOL_DEMO_SHARE = 0.5
 
 
 def calculator_arithmetic(count: int, seed: int) -> list[PromptRecord]:
@@ -39,6 +44,7 @@ def calculator_arithmetic(count: int, seed: int) -> list[PromptRecord]:
     Two-digit operands: every prompt has the same length, so copying them into the tool call is
     a fixed-offset copy, which a tiny model learns within a short warm-start."""
     rng = random.Random(seed)
+    demo_rng = random.Random(f"{seed}:demonstrations")  # the prompts stay those of the seed alone
     records = []
     for _ in range(count):
         a, b = rng.randint(10, 99), rng.randint(10, 99)
@@ -48,12 +54,15 @@ def calculator_arithmetic(count: int, seed: int) -> list[PromptRecord]:
             messages=[{"role": "system", "content": CALCULATOR_SYSTEM},
                       {"role": "user", "content": f"What is {a} {op} {b}?"}],
             ground_truth=str(answer), data_source="calculator_arithmetic",
-            extra={"expression": f"{a}{op}{b}"}))
+            extra={"expression": f"{a}{op}{b}", "demo_calls_tool": demo_rng.random() < CALCULATOR_TOOL_DEMO_SHARE}))
     return records
 
 
 def calculator_demonstration(record: PromptRecord) -> list[dict]:
-    """One Hermes-style calculator call, its result, and the answer line the gsm8k scorer reads."""
+    """One Hermes-style calculator call, its result, and the answer line the gsm8k scorer reads;
+    or, for the demonstrations that skip the tool, the answer line alone."""
+    if not record.extra.get("demo_calls_tool", True):
+        return [{"role": "assistant", "content": f"#### {record.ground_truth}"}]
     call = json.dumps({"name": "calculator", "arguments": {"expression": record.extra["expression"]}})
     return [
         {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
