@@ -6,6 +6,7 @@ hosts it in a Ray actor for disaggregated rollout.
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -104,6 +105,8 @@ class VLLMEngine:
                        # from: what the trainer's log-probs at rollout.temperature are compared with
                        logprobs_mode="processed_logprobs", **chunking)
         self._request_counter = 0
+        if in_process:
+            _quiet_per_step_logs()
 
     def weight_names(self) -> dict[str, tuple[int, ...]]:
         return dict(self._weight_shapes)
@@ -162,6 +165,26 @@ class VLLMEngine:
     def wake_up(self) -> None:
         if torch.cuda.is_available():
             self.llm.wake_up()
+
+
+class _DropRotaryReloadWarning(logging.Filter):
+    """Rotary embeddings have no checkpoint weights (their cos/sin cache is computed), yet vLLM's
+    layerwise reload warns that it 'failed to load' them on every weight sync."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and record.args
+                    and str(record.args[0]).endswith("RotaryEmbedding"))
+
+
+def _quiet_per_step_logs() -> None:
+    """Once the engine has started (its start-up report stays), vLLM's INFO lines would come with
+    every training step (weights reloaded, prefix cache reset): keep its warnings and errors
+    only, unless the user chose a level with VLLM_LOGGING_LEVEL."""
+    if "VLLM_LOGGING_LEVEL" not in os.environ:
+        logging.getLogger("vllm").setLevel(logging.WARNING)
+    layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if not any(isinstance(f, _DropRotaryReloadWarning) for f in layerwise.filters):
+        layerwise.addFilter(_DropRotaryReloadWarning())
 
 
 def pack_bucket(named_tensors: list[tuple[str, torch.Tensor]]) -> dict:
