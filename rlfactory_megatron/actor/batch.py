@@ -112,10 +112,18 @@ class PackedMicroBatch:
     rows: list[int]  # rows of the source batch, in packing order
     input_ids: torch.Tensor  # [1, L]
     position_ids: torch.Tensor  # [1, L], restarting at 0 for each sequence
-    attention_mask: torch.Tensor  # [1, 1, L, L] bool, True = masked (block-diagonal causal)
+    segment: torch.Tensor  # [L]: which packed sequence each position belongs to (a padding position: its own)
     targets: torch.Tensor  # [1, L]: next token of the same sequence (0 where there is none)
     gather_index: torch.Tensor  # [k, T]: packed position whose output predicts token t of sequence j
     token_valid: torch.Tensor  # [k, T] bool: gather_index is meaningful (1 <= t < length)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """[1, 1, L, L] bool, True = masked: block-diagonal causal. Built only for the specs that
+        take a mask (THD attention never needs it; at 32k tokens it would be 1 GiB)."""
+        length = self.segment.shape[0]
+        causal = torch.ones(length, length, dtype=torch.bool, device=self.segment.device).tril()
+        return ~(causal & (self.segment[:, None] == self.segment[None, :]))[None, None]
 
     def as_model_batch(self, thd: bool = False, tail_chunk: int = 64) -> dict[str, Any]:
         """Model inputs. `thd`: Transformer-Engine attention takes sequence boundaries (cu_seqlens)
@@ -176,10 +184,7 @@ def pack_rows(batch: RolloutBatch, rows: list[int], padded_length: int) -> Packe
     pad = torch.arange(used, padded_length)
     segment[used:] = len(rows) + pad
     position_ids[0, used:] = 0
-    causal = torch.ones(padded_length, padded_length, dtype=torch.bool).tril()
-    same_segment = segment[:, None] == segment[None, :]
-    attention_mask = ~(causal & same_segment)[None, None]
-    return PackedMicroBatch(rows, input_ids, position_ids, attention_mask, targets, gather_index, token_valid)
+    return PackedMicroBatch(rows, input_ids, position_ids, segment, targets, gather_index, token_valid)
 
 
 @dataclass
@@ -215,7 +220,6 @@ def plan_micro_batches(batch: RolloutBatch, max_tokens: int, dp_rank: int, dp_si
 
 
 def _padding_only(padded_length: int) -> PackedMicroBatch:
-    eye = ~torch.eye(padded_length, dtype=torch.bool)[None, None]
     zeros = torch.zeros(1, padded_length, dtype=torch.long)
     empty = torch.zeros(0, 1, dtype=torch.long)
-    return PackedMicroBatch([], zeros, zeros, eye, zeros, empty, empty.bool())
+    return PackedMicroBatch([], zeros, zeros, torch.arange(padded_length), zeros, empty, empty.bool())

@@ -37,13 +37,13 @@ def actor_config(**overrides):
 
 
 def update_worker(hf_dir: str, tp: int, pp: int, overrides: dict, perturb_masked: bool = False,
-                  checkpoint: str | None = None, resume_from: str | None = None) -> dict:
+                  checkpoint: str | None = None, resume_from: str | None = None, layer_spec: str = "auto") -> dict:
     """Build an actor, compute old/ref log-probs, run one update (+ a second after save/load)."""
     init_distributed(ParallelSizes(tp, pp), seed=7)
     try:
         cfg = actor_config(**overrides)
         arch = load_arch(hf_dir)
-        actor = Actor(cfg.actor, arch, hf_dir, BuildOptions(), total_steps=10)
+        actor = Actor(cfg.actor, arch, hf_dir, BuildOptions(layer_spec=layer_spec), total_steps=10)
         batch = make_batch(arch.vocab_size)
         old = actor.compute_log_probs(batch, with_entropy=True)
         batch = batch.with_fields(old_log_probs=old["log_probs"] - 0.05, ref_log_probs=old["log_probs"] + 0.1)

@@ -13,7 +13,8 @@ from rlfactory_megatron.runtime.distributed import spawn_local_workers  # noqa: 
 
 def run(hf_dir, tp=1, pp=1, dp=1, overrides=None, **kw):
     return spawn_local_workers(actor_workers.update_worker, tp * pp * dp, hf_dir, tp, pp, overrides or {},
-                               kw.get("perturb_masked", False), kw.get("checkpoint"), kw.get("resume_from"))
+                               kw.get("perturb_masked", False), kw.get("checkpoint"), kw.get("resume_from"),
+                               kw.get("layer_spec", "auto"))
 
 
 def assert_same_update(a, b, tol=1e-5):
@@ -79,6 +80,13 @@ def test_sft_step_trains_the_untempered_distribution(tiny_hf_dirs):
 def test_masked_tokens_contribute_nothing(reference, tiny_hf_dirs):
     perturbed = run(tiny_hf_dirs["qwen3"], perturb_masked=True)[0]
     assert_same_update(reference, perturbed, tol=1e-6)
+
+
+def test_block_mask_spec_gives_the_same_update_as_thd(reference, tiny_hf_dirs):
+    # megatron's plain local spec takes the packed micro-batch's block-diagonal mask (built on
+    # demand); the reference runs the THD path (cu_seqlens, no mask).
+    masked = run(tiny_hf_dirs["qwen3"], layer_spec="local")[0]
+    assert_same_update(reference, masked)
 
 
 def test_micro_batch_cuts_do_not_change_the_update(reference, tiny_hf_dirs):
