@@ -35,7 +35,7 @@ STATE_FILE = "trainer_state.json"
 
 @dataclass
 class Rollouts:
-    """What rank 0 produced in one rollout phase, broadcast to every rank."""
+    """What rank 0 produced in one rollout phase (the other ranks get `for_followers()`)."""
 
     batch: RolloutBatch
     records: list[PromptRecord]  # one per row (a prompt repeated n times)
@@ -43,6 +43,12 @@ class Rollouts:
     response_lengths: list[int]
     stats: dict[str, float]
     trajectories: list[Any]  # envs.agent_loop.Trajectory, one per row
+
+    def for_followers(self) -> "Rollouts":
+        """What the other ranks need: the batch and the stats. The trajectories (every turn, tool
+        call and observation), prompts and texts are the leader's alone (it scores, logs and
+        stores them), so they are not pickled and broadcast every step."""
+        return Rollouts(self.batch, [], [], [], self.stats, [])
 
     @staticmethod
     def of_rows(parts: list[tuple["Rollouts", list[int]]], n: int) -> "Rollouts":
@@ -184,7 +190,8 @@ class Trainer:
         timings: dict[str, float] = {}
         clock = time.perf_counter()
         rollouts, reward = self._generate() if self.is_leader else (None, None)
-        rollouts = _broadcast(rollouts)
+        shared = _broadcast(rollouts.for_followers() if self.is_leader else None)
+        rollouts = rollouts if self.is_leader else shared
         timings["time/generate_s"] = time.perf_counter() - clock
 
         clock = time.perf_counter()
@@ -234,7 +241,8 @@ class Trainer:
         mask = batch.loss_mask > 0
         if old is not None:
             metrics["actor/entropy_old"] = float(old["entropy"][mask].mean()) if mask.any() else 0.0
-            metrics.update(_rollout_logprob_gap(rollouts.trajectories, old["log_probs"], mask))
+            if self.is_leader:  # the trajectories (with the engine's log-probs) stay on the leader
+                metrics.update(_rollout_logprob_gap(rollouts.trajectories, old["log_probs"], mask))
         else:  # the entropy of the same policy, from the update's forward pass
             metrics["actor/entropy_old"] = metrics["actor/entropy"]
         metrics["perf/tokens_per_s"] = tokens / max(step_time, 1e-9)
