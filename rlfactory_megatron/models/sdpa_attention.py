@@ -47,18 +47,49 @@ class SDPACoreAttention(MegatronModule):
     def _packed(self, query, key, value, params):
         """THD input ([t, heads, dim], sequences back to back at cu_seqlens): causal attention per
         sequence. A block-diagonal mask over the whole pack costs (sum of lengths)^2; this costs
-        the sum of squares and allocates no mask."""
+        about the sum of squares and allocates no mask. Sequences of similar length go through
+        one batched SDPA call, right-padded to the longest of their group (a causal query never
+        sees the padding after it): one call per sequence costs ~2x on CPU for ~100-token rows."""
         if params.qkv_format != "thd":
             raise ValueError(f"SDPACoreAttention: packed qkv_format '{params.qkv_format}' is not supported; use thd")
         bounds = params.cu_seqlens_q.tolist()
         if params.cu_seqlens_kv.tolist() != bounds:
             raise ValueError("SDPACoreAttention: packed sequences need equal query and key/value boundaries")
         q, k, v = (t.transpose(0, 1) for t in (query, key, value))  # [heads, t, dim]
-        outs = [
-            F.scaled_dot_product_attention(
-                q[:, start:end], k[:, start:end], v[:, start:end], is_causal=end - start > 1, scale=self.softmax_scale,
+        spans = [(start, end) for start, end in zip(bounds[:-1], bounds[1:]) if end > start]
+        outs, positions = [], []
+        for group in _length_groups(spans):
+            longest = group[0][1] - group[0][0]
+            lengths = torch.tensor([end - start for start, end in group], device=q.device)
+            starts = torch.tensor([start for start, _ in group], device=q.device)
+            offsets = torch.arange(longest, device=q.device)
+            valid = offsets[None, :] < lengths[:, None]  # [B, L]
+            # padded slots repeat the row's last token: in range, and never attended (causal)
+            index = starts[:, None] + torch.minimum(offsets[None, :], lengths[:, None] - 1)
+            qb, kb, vb = (t[:, index].transpose(0, 1) for t in (q, k, v))  # [B, heads, L, dim]
+            out = F.scaled_dot_product_attention(
+                qb, kb, vb, is_causal=longest > 1, scale=self.softmax_scale,
                 dropout_p=self.dropout_p if self.training else 0.0, enable_gqa=q.shape[0] != k.shape[0])
-            for start, end in zip(bounds[:-1], bounds[1:]) if end > start
-        ]
-        out = torch.cat(outs, dim=1)  # [heads, t, dim]
+            outs.append(out.transpose(0, 1)[:, valid])  # [heads, tokens of the group, dim]
+            positions.append(index[valid])
+        order = torch.cat(positions)
+        out = torch.cat(outs, dim=1)[:, torch.argsort(order)]  # back to pack order
         return out.transpose(0, 1).reshape(out.shape[1], -1)
+
+
+def _length_groups(spans: list[tuple[int, int]], max_waste: float = 2.0) -> list[list[tuple[int, int]]]:
+    """Spans grouped longest first, a group growing while padding all of it to its longest costs
+    at most `max_waste` x the attention of its sequences alone (sum of squared lengths)."""
+    groups: list[list[tuple[int, int]]] = []
+    exact = 0
+    for span in sorted(spans, key=lambda se: se[0] - se[1]):
+        n = span[1] - span[0]
+        if groups:
+            longest = groups[-1][0][1] - groups[-1][0][0]
+            if (len(groups[-1]) + 1) * longest**2 <= max_waste * (exact + n * n):
+                groups[-1].append(span)
+                exact += n * n
+                continue
+        groups.append([span])
+        exact = n * n
+    return groups
