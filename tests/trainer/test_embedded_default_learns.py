@@ -4,7 +4,7 @@ Its warm-start demonstrations call the calculator on only half the prompts and a
 away on the others, so the warm-started policy starts unsure whether to use the tool and,
 too small to do arithmetic itself, is mostly wrong without it. GRPO has to discover that the
 tool call pays: held-out accuracy, the mean reward and the share of samples calling the tool
-all rise. The run is the real default (~6 minutes here), the margins are about half of those
+all rise. The run is the real default (~5 minutes here), the margins are at most half of those
 measured, so that another machine's float rounding cannot flip the verdict.
 """
 import os
@@ -32,10 +32,10 @@ def test_embedded_default_learns_to_use_the_tool(tmp_path):
     val = {r["step"]: r["val/score_mean"] for r in logged if "val/score_mean" in r}
     report = (f"val {val}; reward {_mean(first, 'reward/score/mean'):.3f} -> {_mean(last, 'reward/score/mean'):.3f}; "
               f"turns {_mean(first, 'rollout/turns_mean'):.3f} -> {_mean(last, 'rollout/turns_mean'):.3f}")
-    # measured: val 0.00 -> 0.81, reward 0.17 -> 0.32, turns 1.6 -> 1.85
+    # measured: val 0.00 -> 0.69, reward 0.41 -> 0.69, turns 1.77 -> 1.97
     assert val[30] >= val[0] + 0.3, report
     assert _mean(last, "reward/score/mean") >= _mean(first, "reward/score/mean") + 0.07, report
     assert _mean(last, "rollout/turns_mean") > _mean(first, "rollout/turns_mean") + 0.05, report  # more tool calls
     # vLLM sampled from the policy being trained: its log-probs of the multi-turn samples (tool
-    # observations in between) equal the trainer's after every sync (measured max 2e-5)
+    # observations in between, temperature 0.7) equal the trainer's after every sync (measured max 3.2e-5)
     assert max(r["rollout/logprob_gap_max"] for r in steps) <= 1e-3
