@@ -77,6 +77,12 @@ def validate_static(cfg) -> None:
         value = OmegaConf.select(cfg, key)
         if value < 1:
             raise ConfigError(f"{key}={value} must be >= 1")
+    # Checked here, not at the first generate after minutes of set-up and SFT; the trainer's
+    # log-probs are of the same tempered distribution.
+    if not cfg.rollout.temperature >= 0:
+        raise ConfigError(f"rollout.temperature={cfg.rollout.temperature} must be >= 0 (0 = greedy)")
+    if not 0 < cfg.rollout.top_p <= 1:
+        raise ConfigError(f"rollout.top_p={cfg.rollout.top_p} must be in (0, 1]")
     if not cfg.trainer.data_path:
         from rlfactory_megatron.trainer.tasks import TASKS
 

@@ -71,6 +71,16 @@ def test_example_cluster_configs_load_and_fit_their_models(name):
     validate_against_model(cfg, arch, world)
 
 
+@pytest.mark.parametrize("override,message", [
+    ("rollout.temperature=-0.5", r"rollout.temperature=-0.5 must be >= 0 \(0 = greedy\)"),
+    ("rollout.top_p=0", r"rollout.top_p=0.0 must be in \(0, 1\]"),
+    ("rollout.top_p=1.5", r"rollout.top_p=1.5 must be in \(0, 1\]"),
+])
+def test_bad_sampling_settings_are_named_at_load(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=[override])
+
+
 def test_unknown_builtin_task_is_named():
     with pytest.raises(ConfigError, match="trainer.task='nope' is not a built-in task; choose one of: calculator"):
         load_config(None, ["trainer.task=nope"])
