@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -135,7 +135,28 @@ class RolloutStore:
             self._indexed[path] = stop
 
 
-_ENCODER = json.JSONEncoder(separators=(",", ":"))  # built once: json.dumps with options builds one per call
+def _compact_json_encoder() -> Callable[[Any], str]:
+    """`json.dumps(o, separators=(",", ":"))`, same text, at half the cost: the stdlib's C encoder built
+    once, where every json.dumps/JSONEncoder.encode call builds a new one (~1.5 us of a ~3 us record)."""
+    fallback = json.JSONEncoder(separators=(",", ":"))
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:  # an interpreter without the C accelerator
+        return fallback.encode
+    markers: dict = {}  # circular-reference check, as json.dumps does
+    encoder = make(markers, fallback.default, json.encoder.encode_basestring_ascii, None, ":", ",",
+                   False, False, True)
+
+    def encode(obj: Any) -> str:
+        try:
+            return "".join(encoder(obj, 0))
+        except BaseException:
+            markers.clear()  # a failed encode leaves its containers marked
+            raise
+
+    return encode
+
+
+_to_json = _compact_json_encoder()
 
 
 def _utf8_column(texts: list[str]) -> Ragged:
@@ -144,14 +165,20 @@ def _utf8_column(texts: list[str]) -> Ragged:
     return Ragged(np.frombuffer(b"".join(encoded), dtype=np.uint8), lengths)
 
 
+def _json_column(objects: list[Any]) -> Ragged:
+    texts = [_to_json(obj) for obj in objects]  # ASCII (non-ASCII is escaped): one byte per character
+    lengths = np.fromiter(map(len, texts), np.int64, len(texts))
+    return Ragged(np.frombuffer("".join(texts).encode("ascii"), dtype=np.uint8), lengths)
+
+
 def _to_columns(records: Sequence[RolloutRecord]) -> dict[str, list]:
     return {
         "step": [r.step for r in records],
         "sample_id": _utf8_column([r.sample_id for r in records]),
         **{name: [getattr(r, name) for r in records] for name in _ARRAYS},
         "reward": [r.reward for r in records],
-        "tool_traces": _utf8_column([_ENCODER.encode(r.tool_traces) for r in records]),
-        "metadata": _utf8_column([_ENCODER.encode(r.metadata) for r in records]),
+        "tool_traces": _json_column([r.tool_traces for r in records]),
+        "metadata": _json_column([r.metadata for r in records]),
     }
 
 

@@ -59,3 +59,23 @@ def test_a_rewritten_sample_reads_as_its_last_write(tmp_path, workers):
     with RolloutStore(tmp_path, readonly=True) as store:
         assert store.read_step(1) == [first[2], *again[:2]]
         assert store.read(1, again[0].sample_id) == again[0]
+
+
+def test_json_columns_encode_exactly_as_json_dumps():
+    """The cached C encoder writes the very text json.dumps does, and fails the same way."""
+    import json
+    import math
+
+    from rlfactory_megatron.envs.storage.rollouts import _to_json
+
+    samples = [{}, [], {"name": "search", "arguments": {"q": "naïve 東京 \u2028", "k": [1, 2.5, None, True]}},
+               [{"n": math.nan, "i": math.inf, "-i": -math.inf}], {"1": {"2": {"3": [[], {}]}}}, "text", 3, None]
+    for obj in samples:
+        assert _to_json(obj) == json.dumps(obj, separators=(",", ":"))
+    circular: list = []
+    circular.append(circular)
+    with pytest.raises(ValueError, match="Circular"):
+        _to_json({"a": [circular]})
+    with pytest.raises(TypeError, match="set is not JSON serializable"):
+        _to_json({"a": {1, 2}})
+    assert _to_json({"a": [1]}) == '{"a":[1]}'  # a failed call leaves nothing behind

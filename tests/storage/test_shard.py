@@ -192,3 +192,27 @@ def test_batch_failing_midway_leaves_no_rows(tmp_path, toy):
     assert shard.read("t", "n", 0, 5).tolist() == list(range(5))
     shard.close()
     assert verify_shard(path, {"toy": schema}) == []
+
+
+def test_cells_in_any_form_store_the_same_values(tmp_path, toy):
+    """Ragged cells as arrays of the column's type (joined as bytes), of a wider type, as lists, or as
+    non-contiguous views all store the same values; a float cell in an int column is still refused."""
+    schema, batch = toy
+    shard = open_writer(tmp_path / "s.h5", schema)
+    forms = [
+        [np.array([1, 2, 3], np.int32), np.array([], np.int32), np.array([4], np.int32)],
+        [np.array([1, 2, 3], np.int64), np.array([], np.int64), np.array([4], np.int64)],
+        [[1, 2, 3], [], [4]],
+        [np.array([1, 0, 2, 0, 3], np.int32)[::2], np.array([], np.int32), np.array([4, 9], np.int32)[:1]],
+    ]
+    for n, cells in enumerate(forms):
+        rows = batch(3 * n, 3)
+        rows["tokens"] = cells
+        shard.append("t", rows)
+    for n in range(len(forms)):
+        assert [t.tolist() for t in shard.read("t", "tokens", 3 * n, 3 * n + 3)] == [[1, 2, 3], [], [4]]
+    rows = batch(12, 3)
+    rows["tokens"] = [np.array([1.5]), np.array([2.0]), np.array([3.0])]
+    with pytest.raises(TypeError):
+        shard.append("t", rows)
+    shard.close()
