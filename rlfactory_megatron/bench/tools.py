@@ -1,5 +1,6 @@
 """`rlf-bench tools`: throughput of N concurrent callers of a fixed-latency tool through the Ray
-tool pool, as a fraction of the ideal min(N, pool concurrency) / L, next to an in-process baseline."""
+tool pool (calls over its per-actor socket channels), as a fraction of the ideal min(N, pool concurrency) / L,
+next to an in-process baseline."""
 from __future__ import annotations
 
 import argparse

@@ -18,6 +18,7 @@ CHOICES: dict[str, tuple] = {
     "critic.optim.lr_decay_style": ("constant", "linear", "cosine"),
     "weight_sync.transport": ("in_process", "broadcast"),
     "tools.format": ("qwen3", "qwen2_5", "llama3"),
+    "tools.channel": ("auto", "unix", "tcp"),
     "trainer.algorithm": ("ppo", "grpo", "dapo", "gspo", "reinforce_pp", "rloo"),
     "actor.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
 }

@@ -180,7 +180,8 @@ class Trainer:
         cfg = self.cfg.tools
         tools = cfg.config_path or [dict(tool) for tool in TASKS.get(self.cfg.trainer.task).tools]
         pool_cfg = ToolPoolConfig.from_dict({"tools": tools, "num_actors": cfg.num_workers,
-                                             "max_concurrency": cfg.max_concurrency, "call_timeout_s": cfg.call_timeout_s})
+                                             "max_concurrency": cfg.max_concurrency, "call_timeout_s": cfg.call_timeout_s,
+                                             "channel": cfg.channel})
         self.tool_pool = ToolPool(pool_cfg, self.artifacts)
         self._loop = asyncio.new_event_loop()
         self.tool_schemas = self._loop.run_until_complete(self.tool_pool.start())

@@ -1,5 +1,5 @@
 """The Ray tool pool: results, failures (raise, hang, huge output, dead actor), backpressure, metrics,
-and how calls are grouped into Ray messages."""
+how calls are grouped into frames, and the actor's call channel (token, cancel on disconnect, TCP)."""
 import asyncio
 import os
 import time
@@ -163,7 +163,7 @@ def test_calls_an_actor_cannot_start_come_back_as_errors(ray_session, tmp_path):
         assert result.is_error and "could not start" in result.text and "cannot be built" in result.text
 
 
-def test_calls_made_together_share_one_submit(ray_session):
+def test_calls_made_together_share_one_frame(ray_session):
     config = ToolPoolConfig(FAULTS, num_actors=1, num_cpus_per_actor=0, max_concurrency=64, call_timeout_s=10)
 
     async def body(pool):
@@ -185,45 +185,53 @@ def test_calls_made_together_share_one_submit(ray_session):
 
     burst, trickled, results = with_pool(config, body)
     assert all(r.text == "done" and not r.is_error for r in results)
-    assert burst == [64]
-    # While a submit is unanswered, the calls behind it gather for the next one.
-    assert sum(trickled) == 10 and len(trickled) < 10
+    assert burst == [64]  # callers woken in one turn share one frame
+    assert sum(trickled) == 10
 
 
-def test_actor_returns_calls_submitted_together_in_one_poll(monkeypatch):
-    # Generous straggler waits, so that a loaded machine cannot split the batch; the defaults are ms.
-    monkeypatch.setattr(tool_pool, "_STRAGGLER_SHARE", 1.0)
-    monkeypatch.setattr(tool_pool, "_STRAGGLER_WAIT_MAX_S", 1.0)
+def test_the_tcp_channel_serves_calls_too(ray_session):
+    config = ToolPoolConfig(FAULTS, num_actors=2, num_cpus_per_actor=0, max_concurrency=8, call_timeout_s=10,
+                            channel="tcp")
 
+    async def body(pool):
+        results = await asyncio.gather(*(pool.call("slow", {"seconds": 0.01}) for _ in range(20)))
+        return results, [lane.writer.get_extra_info("peername") for lane in pool.lanes]
+
+    results, peers = with_pool(config, body)
+    assert all(r.text == "done" for r in results)
+    assert all(isinstance(peer, tuple) and len(peer) == 2 for peer in peers)  # (host, port): TCP
+    with pytest.raises(ValueError, match="channel"):
+        ToolPoolConfig(FAULTS, channel="carrier-pigeon")
+
+
+def test_actor_channel_checks_the_token_and_cancels_calls_of_a_dropped_driver():
     async def go():
         actor = ToolActor(FAULTS)
-        incarnation, nothing = await actor.next_results(None)
-        await actor.submit([(i, "slow", {"seconds": 0.2}) for i in range(50)], 10.0)
-        _, wave = await actor.next_results(incarnation)
-        # A call far slower than the one submitted with it holds that one back for a bounded time only.
-        await actor.submit([(100, "slow", {"seconds": 0.05}), (101, "slow", {"seconds": 30})], 60.0)
-        start = time.monotonic()
-        _, fast = await actor.next_results(incarnation)
-        return nothing, wave, fast, time.monotonic() - start
+        incarnation, address, token = await actor.open_channel(None, "unix")
+        frame = (10.0, [(i, "slow", {"seconds": 0.05}) for i in range(20)] + [(99, "hangs", {})])
 
-    nothing, wave, fast, waited = asyncio.run(go())
-    assert nothing == []
-    assert sorted(rid for rid, *_ in wave) == list(range(50))
-    assert all(text == "done" and not is_error for _, text, _, is_error in wave)
-    assert [rid for rid, *_ in fast] == [100] and waited < 1.0
+        # A wrong token: the connection is closed and nothing it sent runs.
+        reader, writer = await tool_pool._open_connection(address)
+        writer.write(bytes(len(token)))
+        tool_pool._write_frame(writer, frame)
+        refused = await reader.read()
 
+        reader, writer = await tool_pool._open_connection(address)
+        writer.write(token)
+        tool_pool._write_frame(writer, frame)
+        results = []
+        while len(results) < 20:
+            results += await tool_pool._read_frame(reader)
+        running = [t for t in asyncio.all_tasks() if t.get_coro().__qualname__ == "ToolBox.run"]
+        writer.close()  # the driver goes away while "hangs" runs
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if all(t.done() for t in running):
+                break
+        return incarnation, refused, results, running
 
-def test_a_superseded_result_poll_returns_empty():
-    async def go():
-        actor = ToolActor(FAULTS)
-        incarnation, _ = await actor.next_results(None)
-        stale = asyncio.ensure_future(actor.next_results(incarnation))
-        await asyncio.sleep(0.05)
-        fresh = asyncio.ensure_future(actor.next_results(incarnation))  # as after a poll the driver gave up on
-        stale_answer = await stale
-        await actor.submit([(7, "slow", {"seconds": 0.0})], 10.0)
-        return incarnation, stale_answer, await fresh
-
-    incarnation, stale_answer, (_, results) = asyncio.run(go())
-    assert stale_answer == (incarnation, [])
-    assert [(rid, text) for rid, text, *_ in results] == [(7, "done")]
+    incarnation, refused, results, running = asyncio.run(go())
+    assert incarnation and refused == b""
+    assert sorted(rid for rid, *_ in results) == list(range(20))
+    assert all(text == "done" and not is_error for _, text, _, is_error in results)
+    assert running and all(t.cancelled() for t in running)  # the hung call was cancelled with its driver
