@@ -434,8 +434,8 @@ class ToolPool:
                     # Callers these results woke queue their next calls first; they go out in one frame.
                     await asyncio.sleep(0)
                     self._flush(lane)
-            except (asyncio.IncompleteReadError, ConnectionError, OSError):
-                pass  # the actor died (Ray restarts it), or the connection broke
+            except (asyncio.IncompleteReadError, ConnectionError, OSError, EOFError, pickle.UnpicklingError):
+                pass  # the actor died (Ray restarts it), or the connection broke (or garbled a frame)
             lane.writer.close()
             lane.writer = None
             # The calls sent to that incarnation died with it.
