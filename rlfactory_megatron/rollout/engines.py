@@ -105,6 +105,7 @@ class VLLMEngine:
                        # from: what the trainer's log-probs at rollout.temperature are compared with
                        logprobs_mode="processed_logprobs", **chunking)
         self._request_counter = 0
+        self._updating = False  # between the first bucket of a weight update and its finish
         if in_process:
             _quiet_per_step_logs()
 
@@ -140,13 +141,19 @@ class VLLMEngine:
         return results
 
     def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """Load one bucket in place (it must hold whole fused groups: q,k,v together; gate,up together)."""
+        """Load one bucket of a weight update in place (it must hold whole fused groups: q,k,v together;
+        gate,up together); `finish_weight_update` ends the update."""
         # Across processes, vLLM's msgpack channel cannot carry nested (name, tensor) lists: send one
         # flat byte buffer plus its layout instead.
         payload = named_tensors if self.in_process else pack_bucket(named_tensors)
-        self.llm.collective_rpc(_reload_bucket, args=(payload,))
+        self.llm.collective_rpc(_reload_bucket, args=(payload, not self._updating))
+        self._updating = True
 
     def finish_weight_update(self) -> None:
+        """Ends a weight update (also after one cut short: layers not reached keep their old weights)."""
+        if self._updating:
+            self._updating = False
+            self.llm.collective_rpc(_finish_reload)
         # Cached KV of prefixes was computed by the old weights.
         self.llm.reset_prefix_cache()
 
@@ -167,13 +174,15 @@ class VLLMEngine:
             self.llm.wake_up()
 
 
-class _DropRotaryReloadWarning(logging.Filter):
-    """Rotary embeddings have no checkpoint weights (their cos/sin cache is computed), yet vLLM's
-    layerwise reload warns that it 'failed to load' them on every weight sync."""
+class _DropExpectedReloadWarnings(logging.Filter):
+    """vLLM's layerwise reload warns that a layer 'failed to load' when a sync brought none of its
+    weights. Two always do, as expected: rotary embeddings (their cos/sin cache is computed, not
+    loaded) and a tied LM head (never named in a checkpoint; `_finish_reload` re-processes it from
+    the new embedding). Any other layer missing is refused by the manifest check before a sync."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.msg == "%s: Failed to load weights" and record.args
-                    and str(record.args[0]).endswith("RotaryEmbedding"))
+                    and (str(record.args[0]).endswith("RotaryEmbedding") or str(record.args[0]) == "ParallelLMHead"))
 
 
 def _quiet_per_step_logs() -> None:
@@ -183,8 +192,8 @@ def _quiet_per_step_logs() -> None:
     if "VLLM_LOGGING_LEVEL" not in os.environ:
         logging.getLogger("vllm").setLevel(logging.WARNING)
     layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-    if not any(isinstance(f, _DropRotaryReloadWarning) for f in layerwise.filters):
-        layerwise.addFilter(_DropRotaryReloadWarning())
+    if not any(isinstance(f, _DropExpectedReloadWarnings) for f in layerwise.filters):
+        layerwise.addFilter(_DropExpectedReloadWarnings())
 
 
 def pack_bucket(named_tensors: list[tuple[str, torch.Tensor]]) -> dict:
@@ -205,14 +214,38 @@ def unpack_bucket(packed: dict) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def _reload_bucket(worker, bucket) -> None:
-    """Runs inside vLLM's worker (in or out of process): in-place reload of one bucket."""
+def _reload_bucket(worker, bucket, first: bool) -> None:
+    """Runs inside vLLM's worker (in or out of process): loads one bucket of an update in place.
+
+    One layerwise reload spans the whole update (vLLM's `reload_weights` is one per call: with
+    several buckets it would restore and re-place every layer per bucket, and warn that each layer
+    missing from that bucket 'failed to load'). A layer is re-processed (e.g. repacked for oneDNN
+    on CPU) as soon as all its weights have arrived."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
     named_tensors = unpack_bucket(bucket) if isinstance(bucket, dict) else bucket
-    worker.reload_weights(weights_iterator=iter(named_tensors))
     model = worker.model_runner.get_model()
-    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
-    if tied and any(name.endswith("embed_tokens.weight") for name, _ in named_tensors):
+    with set_current_vllm_config(worker.vllm_config):
+        if first:
+            initialize_layerwise_reload(model)
+        model.load_weights(iter(named_tensors))
+
+
+def _finish_reload(worker) -> None:
+    """Runs inside vLLM's worker: ends the update begun by the first `_reload_bucket`."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    model = worker.model_runner.get_model()
+    with set_current_vllm_config(worker.vllm_config):
+        finalize_layerwise_reload(model, worker.vllm_config.model_config)
+    if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         # The tied LM head is never named in a checkpoint, so the reload does not re-prepare it; on
         # CPU it computes from a repacked copy of the old embedding unless processed again here.
         head = model.lm_head
         head.quant_method.process_weights_after_loading(head)
+    runner = worker.model_runner
+    for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # as vLLM's reload_weights does
+        if hasattr(runner, reset):
+            getattr(runner, reset)()

@@ -148,15 +148,25 @@ def sync_weights(actor_engine, transport: Transport | None, bucket_mb: float, se
         raise WeightSyncError(verdict[0])
     total = buckets = biggest = 0
     in_transport = 0.0
-    for bucket in iter_buckets(actor_engine.iter_hf_weights(), int(bucket_mb * 2**20)):
-        size = sum(t.numel() * t.element_size() for _, t in bucket)
-        total += size
-        buckets += 1
-        biggest = max(biggest, size)
-        if is_sender:
-            sent = time.perf_counter()
-            transport.send(bucket)
-            in_transport += time.perf_counter() - sent
+    try:
+        for bucket in iter_buckets(actor_engine.iter_hf_weights(), int(bucket_mb * 2**20)):
+            size = sum(t.numel() * t.element_size() for _, t in bucket)
+            total += size
+            buckets += 1
+            biggest = max(biggest, size)
+            if is_sender:
+                sent = time.perf_counter()
+                transport.send(bucket)
+                in_transport += time.perf_counter() - sent
+    except BaseException:
+        if is_sender and buckets:
+            # Cut short: end the engine's update so that it serves again (layers it received hold the
+            # new weights, the others their old ones); the error is what the caller sees.
+            try:
+                transport.finish()
+            except Exception:
+                pass
+        raise
     if is_sender:
         sent = time.perf_counter()
         transport.finish()

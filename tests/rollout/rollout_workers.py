@@ -1,6 +1,8 @@
 """Rank bodies for the rollout/weight-sync tests (importable by spawned processes)."""
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 
@@ -57,8 +59,43 @@ def _leader_engine(hf_dir: str, ray_address: str | None):
     return engine, BroadcastTransport(engine)
 
 
+class _WarningCount(logging.Handler):
+    """Counts the warnings a logger (and its children) emit until closed."""
+
+    def __init__(self, logger: str):
+        super().__init__(logging.WARNING)
+        self.logger, self.records = logging.getLogger(logger), []
+        self.logger.addHandler(self)
+
+    def emit(self, record):
+        self.records.append(record.getMessage())
+
+    def close(self):
+        self.logger.removeHandler(self)
+        return self.records
+
+
+class _CutTransport:
+    """Passes `buckets` buckets on to `transport`, then fails as a broken link would."""
+
+    def __init__(self, transport, buckets: int):
+        self.transport, self.left = transport, buckets
+
+    def expected_weights(self):
+        return self.transport.expected_weights()
+
+    def send(self, bucket):
+        if not self.left:
+            raise ConnectionError("weight link went down")
+        self.left -= 1
+        self.transport.send(bucket)
+
+    def finish(self):
+        self.transport.finish()
+
+
 def sync_worker(hf_dir: str, tp: int, pp: int, bucket_mb: float, steps: int = 1, break_sync: bool = False,
-                ray_address: str | None = None, temperature: float = 1.0) -> dict:
+                ray_address: str | None = None, temperature: float = 1.0, cut_after_buckets: int | None = None) -> dict:
     """Sync actor -> vLLM; compare vLLM's log-probs of its samples with the actor's, before/after updates."""
     init_distributed(ParallelSizes(tp, pp), seed=3)
     try:
@@ -78,11 +115,20 @@ def sync_worker(hf_dir: str, tp: int, pp: int, bucket_mb: float, steps: int = 1,
                 if break_sync and engine is not None:
                     real = engine.weight_names
                     engine.weight_names = lambda: {**real(), "model.layers.99.mlp.up_proj.weight": (256, 128)}
+                if cut_after_buckets is not None:  # a sync cut short first: the engine must still serve
+                    try:
+                        sync_weights(actor.engine, transport and _CutTransport(transport, cut_after_buckets), bucket_mb)
+                    except ConnectionError as exc:
+                        report["cut_error"] = str(exc)
+                    report["served_after_cut"] = len(_generate_on_leader(engine, sampling) or [])
+                warnings = _WarningCount("vllm.model_executor.model_loader.reload")
                 try:
                     stats = sync_weights(actor.engine, transport, bucket_mb)
                 except WeightSyncError as exc:
                     report["sync_error"] = str(exc)
                     stats = None
+                finally:
+                    report["reload_warnings"] = warnings.close()
                 if stats is not None:
                     report["sync"].append({"buckets": stats.buckets, "bytes": stats.bytes,
                                            "max_bucket_bytes": stats.max_bucket_bytes})

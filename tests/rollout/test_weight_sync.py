@@ -24,6 +24,8 @@ def test_vllm_log_probs_equal_actor_log_probs_after_each_sync(tiny_hf_dirs, tp, 
     sync = report["sync"][0]
     # within budget, except a bucket holding one group larger than the budget (the 256 KiB embedding)
     assert sync["buckets"] > 10 and sync["max_bucket_bytes"] <= max(0.1 * 2**20, 512 * 128 * 4)
+    # One layerwise reload per sync: vLLM's per-call reload warned for every layer missing from each bucket.
+    assert report["reload_warnings"] == [], report["reload_warnings"]
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -43,6 +45,16 @@ def test_refused_sync_names_the_tensor_and_engine_keeps_serving_old_weights(tiny
     assert "missing from the trainer's export" in report["sync_error"]
     assert report["max_diff_vs_initial"][1] <= 1e-3  # still the initial weights after the refusal
     assert report["max_diff"][1] > 1e-3  # while the actor has moved on
+
+
+def test_a_sync_cut_short_leaves_the_engine_serving_and_the_next_one_exact(tiny_hf_dirs):
+    # One layerwise reload spans a whole sync: cut after 5 of ~20 buckets, it must still be ended
+    # (no layer left unmaterialized), and the following full sync must be exact again.
+    report = spawn_local_workers(rollout_workers.sync_worker, 1, tiny_hf_dirs["qwen3"], 1, 1, 0.1, 1,
+                                 False, None, 1.0, 5)[0]
+    assert report["cut_error"] == "weight link went down"
+    assert report["served_after_cut"] == len(rollout_workers.PROMPTS)
+    assert report["max_diff"][1] <= 1e-3, report
 
 
 def _named(*specs):
