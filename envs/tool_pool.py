@@ -35,6 +35,7 @@ _DRIVER_SLACK_S = 2.0
 _OPEN_RETRIES = 3
 _RESTART_POLL_S = 0.1
 _REFUSED_RETRY_S = 1.0  # an actor whose tools failed to build is asked again this often
+_START_TIMEOUT_S = 120.0  # for `start` to reach every actor's call channel
 _FRAME = struct.Struct("!Q")
 CHANNELS = ("auto", "unix", "tcp")
 
@@ -214,8 +215,8 @@ class ToolActor:
             while True:
                 timeout_s, batch = await _read_frame(reader)
                 connection.start(box, batch, timeout_s)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass  # the driver closed its end, or went away
+        except (asyncio.IncompleteReadError, ConnectionError, EOFError, pickle.UnpicklingError):
+            pass  # the driver closed its end, went away, or garbled a frame
         finally:
             connection.close()
 
@@ -280,6 +281,7 @@ class _ActorLane:
     refusal: BaseException | None = None  # why its tools cannot be built, while they cannot
     channel: str = "auto"  # becomes "tcp" if a Unix socket turns out unreachable (another network namespace)
     settled: asyncio.Event = field(default_factory=asyncio.Event)  # connected or refused once
+    connect_error: str = "none yet"  # why the last attempt to connect failed, for start's error
 
 
 class ToolPool:
@@ -330,7 +332,15 @@ class ToolPool:
         for lane in self.lanes:
             self._spawn(self._lane_loop(lane))
         self._spawn(self._watchdog())
-        await asyncio.gather(*(lane.settled.wait() for lane in self.lanes))
+        for index, lane in enumerate(self.lanes):
+            try:
+                await asyncio.wait_for(lane.settled.wait(), _START_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                await self.close()
+                raise RuntimeError(
+                    f"tool actor {index}: no connection to its call channel within {_START_TIMEOUT_S:g}s "
+                    f"(last error: {lane.connect_error}); across nodes the actors listen on TCP at their node's IP "
+                    "(an ephemeral port): check that this process can reach it") from None
         return schemas[0]
 
     async def call(self, name: str, args: dict[str, Any]) -> ToolResult:
@@ -450,7 +460,8 @@ class ToolPool:
                 incarnation, address, token = await lane.actor.open_channel.options(
                     max_task_retries=_OPEN_RETRIES).remote(self._node_id, lane.channel)
                 reader, writer = await _open_connection(address)
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, OSError):
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, OSError) as exc:
+                lane.connect_error = f"{type(exc).__name__}: {exc}" + (f" (address {address})" if address else "")
                 if address is not None and address[0] == "unix" and self.config.channel == "auto":
                     lane.channel = "tcp"  # the actor's Unix socket is not visible from here
                 await asyncio.sleep(_RESTART_POLL_S)  # restarting

@@ -235,3 +235,14 @@ def test_actor_channel_checks_the_token_and_cancels_calls_of_a_dropped_driver():
     assert sorted(rid for rid, *_ in results) == list(range(20))
     assert all(text == "done" and not is_error for _, text, _, is_error in results)
     assert running and all(t.cancelled() for t in running)  # the hung call was cancelled with its driver
+
+
+def test_start_names_the_error_when_no_channel_can_be_reached(ray_session, monkeypatch):
+    async def unreachable(address):
+        raise ConnectionRefusedError(f"nothing listens at {address}")
+
+    monkeypatch.setattr(tool_pool, "_open_connection", unreachable)
+    monkeypatch.setattr(tool_pool, "_START_TIMEOUT_S", 1.0)
+    config = ToolPoolConfig(FAULTS, num_actors=1, num_cpus_per_actor=0, channel="tcp")
+    with pytest.raises(RuntimeError, match="tool actor 0: no connection .*ConnectionRefusedError: nothing listens"):
+        with_pool(config, lambda pool: asyncio.sleep(0))
