@@ -146,8 +146,8 @@ class VLLMEngine:
         # Across processes, vLLM's msgpack channel cannot carry nested (name, tensor) lists: send one
         # flat byte buffer plus its layout instead.
         payload = named_tensors if self.in_process else pack_bucket(named_tensors)
-        self.llm.collective_rpc(_reload_bucket, args=(payload, not self._updating))
-        self._updating = True
+        first, self._updating = not self._updating, True  # set first: a failing first load still needs the finish
+        self.llm.collective_rpc(_reload_bucket, args=(payload, first))
 
     def finish_weight_update(self) -> None:
         """Ends a weight update (also after one cut short: layers not reached keep their old weights)."""
