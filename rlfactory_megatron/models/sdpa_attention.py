@@ -72,8 +72,8 @@ class SDPACoreAttention(MegatronModule):
                 dropout_p=self.dropout_p if self.training else 0.0, enable_gqa=q.shape[0] != k.shape[0])
             outs.append(out.transpose(0, 1)[:, valid])  # [heads, tokens of the group, dim]
             positions.append(index[valid])
-        order = torch.cat(positions)
-        out = torch.cat(outs, dim=1)[:, torch.argsort(order)]  # back to pack order
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])  # every position lies in one span
+        out[:, torch.cat(positions)] = torch.cat(outs, dim=1)  # back to pack order
         return out.transpose(0, 1).reshape(out.shape[1], -1)
 
 
