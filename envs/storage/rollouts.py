@@ -136,22 +136,22 @@ class RolloutStore:
 
 
 def _compact_json_encoder() -> Callable[[Any], str]:
-    """`json.dumps(o, separators=(",", ":"))`, same text, at half the cost: the stdlib's C encoder built
-    once, where every json.dumps/JSONEncoder.encode call builds a new one (~1.5 us of a ~3 us record)."""
+    """`json.dumps(o, separators=(",", ":"))`, same text and same errors, at less than half the cost: the
+    stdlib's C encoder built once (every json.dumps/JSONEncoder.encode call builds a new one, ~1.5 us of a
+    ~3 us record), without the circular-reference bookkeeping (~0.3 us): a cycle then ends in a
+    RecursionError, and only that case is encoded again with the check, to fail as json.dumps does."""
     fallback = json.JSONEncoder(separators=(",", ":"))
     make = getattr(json.encoder, "c_make_encoder", None)
     if make is None:  # an interpreter without the C accelerator
         return fallback.encode
-    markers: dict = {}  # circular-reference check, as json.dumps does
-    encoder = make(markers, fallback.default, json.encoder.encode_basestring_ascii, None, ":", ",",
+    encoder = make(None, fallback.default, json.encoder.encode_basestring_ascii, None, ":", ",",
                    False, False, True)
 
     def encode(obj: Any) -> str:
         try:
             return "".join(encoder(obj, 0))
-        except BaseException:
-            markers.clear()  # a failed encode leaves its containers marked
-            raise
+        except RecursionError:
+            return fallback.encode(obj)  # raises "Circular reference detected" (or nests too deep for it too)
 
     return encode
 

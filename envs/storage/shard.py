@@ -3,8 +3,10 @@ types), written in flushed batches under SWMR so other processes read it live, a
 committed batch when the writer died mid-write."""
 from __future__ import annotations
 
+import ctypes
 import operator
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
@@ -19,6 +21,70 @@ _COPY_ROWS = 4096
 _READER_CACHE = dict(rdcc_nbytes=8 << 20, rdcc_nslots=10007)  # lookups revisit the same chunks
 # Appenders cache no chunks: each is written once, and caching it costs an extra copy (measured ~1.7x slower).
 _WRITER_CACHE = dict(rdcc_nbytes=0)
+WRITE_BEHIND_BYTES = 1 << 20
+
+
+class WriteBehind:
+    """Start the kernel writing a file's dirty pages back, without waiting, each time the file grew by
+    `every` bytes (Linux sync_file_range, as RocksDB's bytes_per_sync). Disk writes then overlap the
+    writer's own work: a later fsync finds little left to do, and dirty pages do not pile up until the
+    kernel flushes them all at once. The call runs on a helper thread because submitting the writeback
+    costs CPU (~0.6 ms per MB-scale batch here) that the writer would otherwise pay; it touches only the
+    file descriptor, never HDF5. Where sync_file_range is missing or refused, nothing happens."""
+
+    _WRITE = 2  # SYNC_FILE_RANGE_WRITE: start writeback of dirty pages, do not wait for it
+
+    def __init__(self, fd: int, every: int = WRITE_BEHIND_BYTES):
+        self._fd, self._every, self._started_at = fd, every, os.fstat(fd).st_size
+        self._call = _sync_file_range()
+        self._wake = threading.Condition()
+        self._pending = self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def wrote(self) -> None:
+        """Call after data was handed to the OS (written and flushed)."""
+        if self._call is None:
+            return
+        size = os.fstat(self._fd).st_size
+        if size - self._started_at < self._every:
+            return
+        self._started_at = size
+        with self._wake:
+            if self._closed:
+                return
+            self._pending = True
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="rlf-write-behind", daemon=True)
+                self._thread.start()
+            self._wake.notify()
+
+    def close(self) -> None:
+        """Wait for a writeback call in flight; call before the descriptor is closed."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                self._wake.wait_for(lambda: self._pending or self._closed)
+                if self._closed:
+                    return
+                self._pending = False
+            if self._call(self._fd, 0, 0, self._WRITE) != 0:  # 0, 0: the whole file
+                self._call = None  # e.g. a file system without it: plain page-cache writes, as before
+                return
+
+
+def _sync_file_range():
+    try:
+        call = ctypes.CDLL(None, use_errno=True).sync_file_range  # glibc/musl on Linux only
+    except (AttributeError, OSError):
+        return None
+    call.argtypes, call.restype = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint], ctypes.c_int
+    return call
 
 
 class ShardError(RuntimeError):
@@ -87,6 +153,7 @@ class Shard:
         # it back from the file (an h5py read per column and batch).
         self._tails: dict[tuple[str, str], int] = {}
         self._rows = {t.name: int(self._ds[t.name, ROWS][()]) for t in schema.tables}
+        self._write_behind = WriteBehind(file.id.get_vfd_handle()) if writable else None
         if not writable:
             self.refresh()  # opening checked the datasets: their cached headers may predate the counters
 
@@ -129,10 +196,11 @@ class Shard:
                 self._ends.pop((table, column.name), None)
             raise
         self._file.flush()
-        self._ds[table, ROWS][()] = first + count
+        self._ds[table, ROWS].id.write(h5py.h5s.ALL, h5py.h5s.ALL, np.array(first + count, dtype=np.int64))
         self._file.flush()  # the commit point: a crash before it leaves an uncommitted tail, cut on reopen
         self._rows[table] = first + count
         self._tails.update(tails)
+        self._write_behind.wrote()
         return range(first, first + count)
 
     def read(self, table: str, column: str, start: int, stop: int) -> np.ndarray | list[np.ndarray]:
@@ -184,6 +252,8 @@ class Shard:
         os.fsync(self._file.id.get_vfd_handle())
 
     def close(self) -> None:
+        if self._write_behind is not None:
+            self._write_behind.close()
         if self._file.id.valid:
             self._file.close()
 
@@ -340,7 +410,7 @@ def _extend(data: h5py.Dataset, start: int, values: np.ndarray) -> None:
     Low-level h5py calls: the high-level resize + slice assignment costs ~190 us per call against ~50 us,
     and an append makes about twenty of them per batch.
     """
-    data.id.set_extent((start + len(values), *data.shape[1:]))
+    data.id.set_extent((start + len(values), *values.shape[1:]))  # values has the row shape: no file query
     if len(values):
         file_space = data.id.get_space()
         file_space.select_hyperslab((start,) + (0,) * (values.ndim - 1), values.shape)

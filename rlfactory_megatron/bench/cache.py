@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from rlfactory_megatron.envs.storage import RolloutRecord, RolloutStore, ToolArtifactCache
+from rlfactory_megatron.envs.storage.shard import WRITE_BEHIND_BYTES, WriteBehind
 from rlfactory_megatron.envs.storage.topology import single_process
 
 
@@ -31,22 +32,26 @@ def main(argv: list[str]) -> int:
         batches = _batches(args)
         payload = sum(len(chunk) for batch in batches for chunk in _payload(batch))
         # Alternate the two writers and keep each one's best round: disk and CPUs are shared with other work.
-        raw_s, cache_s = [], []
+        raw_s, raw_behind_s, cache_s = [], [], []
         for i in range(args.repeats):
             raw_s.append(_raw_write(workdir / f"raw-{i}.bin", batches))
+            raw_behind_s.append(_raw_write(workdir / f"raw-behind-{i}.bin", batches, write_behind=True))
             cache_s.append(_rollout_write_read(workdir / f"rollouts-{i}", batches))
         write_s, write_cpu_s, read_s = (min(times[i] for times in cache_s) for i in range(3))
         wall, cpu = _lookup_latency(workdir / "artifacts", args.artifacts, args.lookups)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     raw, write = payload / min(raw_s) / 1e6, payload / write_s / 1e6
+    raw_behind = payload / min(raw_behind_s) / 1e6
     print(f"payload {payload / 1e6:.1f} MB in {len(batches)} batches of {args.batch} records under "
           f"{workdir.parent}, best of {args.repeats} rounds")
     print(f"raw sequential write + fsync : {raw:8.1f} MB/s  (the limit)")
-    print(f"rollout write + fsync        : {write:8.1f} MB/s  = {write / raw:.0%} of raw  "
-          f"(target >= 50%: {_verdict(write >= raw / 2)})")
-    print(f"rollout write, CPU-bound     : {payload / write_cpu_s / 1e6:8.1f} MB/s  (payload / CPU seconds: "
-          "the rate on an idle machine while the disk keeps up)")
+    print(f"  the same, with write-behind: {raw_behind:8.1f} MB/s  (writeback started every "
+          f"{WRITE_BEHIND_BYTES >> 20} MB, as the cache does: the stricter limit)")
+    print(f"rollout write + fsync        : {write:8.1f} MB/s  = {write / raw:.0%} of raw, "
+          f"{write / raw_behind:.0%} of raw with write-behind  (target >= 50% of raw: {_verdict(write >= raw / 2)})")
+    print(f"rollout write, CPU-bound     : {payload / write_cpu_s / 1e6:8.1f} MB/s  (payload / CPU seconds of "
+          "all threads, the write-behind helper's included)")
     print(f"rollout read (all steps)     : {payload / read_s / 1e6:8.1f} MB/s")
     print(f"artifact lookup (hit), wall  : p50 {wall[0] * 1e3:.3f} ms, p99 {wall[1] * 1e3:.3f} ms  "
           f"(target p99 <= 1 ms: {_verdict(wall[1] <= 1e-3)})")
@@ -86,16 +91,22 @@ def _payload(batch: list[RolloutRecord]) -> list[bytes]:
     return out
 
 
-def _raw_write(path: Path, batches: list[list[RolloutRecord]]) -> float:
-    """Seconds to write the payload with plain file writes (one flush per batch) and fsync; open not timed."""
+def _raw_write(path: Path, batches: list[list[RolloutRecord]], write_behind: bool = False) -> float:
+    """Seconds to write the payload with plain file writes (one flush per batch) and fsync; open not timed.
+    With `write_behind`, each flush may start the writeback as the cache's shards do."""
     buffers = [_payload(batch) for batch in batches]
     with open(path, "wb") as handle:
+        behind = WriteBehind(handle.fileno()) if write_behind else None
         start = time.perf_counter()
         for chunks in buffers:
             for chunk in chunks:
                 handle.write(chunk)
             handle.flush()
+            if behind is not None:
+                behind.wrote()
         os.fsync(handle.fileno())
+        if behind is not None:
+            behind.close()
         return time.perf_counter() - start
 
 
