@@ -17,7 +17,7 @@ import numpy as np
 SCHEMA_VERSION = 1
 ROWS = "_rows"  # per table: committed row count, written only after the batch's data is flushed
 OFFSETS = ".offsets"  # suffix of a ragged column's end-offset dataset
-_COPY_ROWS = 4096
+COPY_ROWS = 4096
 _READER_CACHE = dict(rdcc_nbytes=8 << 20, rdcc_nslots=10007)  # lookups revisit the same chunks
 # Appenders cache no chunks: each is written once, and caching it costs an extra copy (measured ~1.7x slower).
 _WRITER_CACHE = dict(rdcc_nbytes=0)
@@ -153,7 +153,8 @@ class Shard:
         # it back from the file (an h5py read per column and batch).
         self._tails: dict[tuple[str, str], int] = {}
         self._rows = {t.name: int(self._ds[t.name, ROWS][()]) for t in schema.tables}
-        self._write_behind = WriteBehind(file.id.get_vfd_handle()) if writable else None
+        # Only a POSIX file has a descriptor to write back (under MPI-IO, the handle is MPI's).
+        self._write_behind = WriteBehind(file.id.get_vfd_handle()) if writable and file.driver == "sec2" else None
         if not writable:
             self.refresh()  # opening checked the datasets: their cached headers may predate the counters
 
@@ -195,13 +196,50 @@ class Shard:
             for column in spec.columns:
                 self._ends.pop((table, column.name), None)
             raise
-        self._file.flush()
-        self._ds[table, ROWS].id.write(h5py.h5s.ALL, h5py.h5s.ALL, np.array(first + count, dtype=np.int64))
-        self._file.flush()  # the commit point: a crash before it leaves an uncommitted tail, cut on reopen
-        self._rows[table] = first + count
+        self.commit(table, first + count)
         self._tails.update(tails)
-        self._write_behind.wrote()
+        if self._write_behind is not None:
+            self._write_behind.wrote()
         return range(first, first + count)
+
+    def commit(self, table: str, rows: int) -> None:
+        """Make the first `rows` rows of `table` visible: data flushed first, then the counter (under
+        MPI-IO every rank calls this, with the same value: flushing is collective there)."""
+        self._file.flush()
+        self._ds[table, ROWS].id.write(h5py.h5s.ALL, h5py.h5s.ALL, np.array(rows, dtype=np.int64))
+        self._file.flush()  # the commit point: a crash before it leaves an uncommitted tail, cut on reopen
+        self._rows[table] = rows
+
+    def reserve(self, table: str, rows: int, values: Mapping[str, int]) -> None:
+        """Size `table` for `rows` rows and each ragged column for `values[column]` values, to be filled
+        with write_at and made visible with commit (a merge knows every size up front; under MPI-IO every
+        rank makes this same call, as resizing is collective there)."""
+        for column in self.schema.table(table).columns:
+            self._tails.pop((table, column.name), None)
+            self._ends.pop((table, column.name), None)
+            data = self._ds[table, column.name]
+            if column.ragged:
+                data.id.set_extent((values[column.name],))
+                self._ds[table, column.name + OFFSETS].id.set_extent((rows,))
+            else:
+                data.id.set_extent((rows, *data.shape[1:]))
+
+    def write_at(self, table: str, first: int, starts: Mapping[str, int], batch: Mapping[str, Sequence]) -> dict[str, int]:
+        """Write a batch into reserved space, not committed: its rows from row `first` on, each ragged
+        column's values from `starts[column]` on. Returns where each ragged column's next values start."""
+        nexts = {}
+        for column in self.schema.table(table).columns:
+            values, count = batch[column.name], len(batch[column.name])
+            if not column.ragged:
+                shape = (count, column.width) if column.width else (count,)
+                _write(self._ds[table, column.name], first, np.asarray(values, dtype=column.dtype).reshape(shape))
+                continue
+            flat, lengths = self._cells(table, column, values, count)
+            ends = starts[column.name] + np.cumsum(lengths, dtype=np.int64)
+            _write(self._ds[table, column.name], starts[column.name], flat)
+            _write(self._ds[table, column.name + OFFSETS], first, ends)
+            nexts[column.name] = int(ends[-1]) if count else starts[column.name]
+        return nexts
 
     def read(self, table: str, column: str, start: int, stop: int) -> np.ndarray | list[np.ndarray]:
         """Rows [start, stop) of a column: an array for fixed columns, a list of arrays for ragged ones."""
@@ -264,13 +302,7 @@ class Shard:
             shape = (count, column.width) if column.width else (count,)
             _extend(data, first, np.asarray(values, dtype=column.dtype).reshape(shape))
             return None
-        if isinstance(values, Ragged):
-            flat, lengths = values.values.astype(column.dtype, casting="same_kind", copy=False), values.lengths
-            if int(np.sum(lengths)) != len(flat):
-                raise ValueError(f"{self.path}: /{table}/{column.name}: cell lengths do not add up to the values")
-        else:
-            lengths = np.fromiter(map(len, values), np.int64, count)
-            flat = _concatenate_cells(values, np.dtype(column.dtype), int(lengths.sum()))
+        flat, lengths = self._cells(table, column, values, count)
         offsets = self._ds[table, column.name + OFFSETS]
         start = self._tails.get((table, column.name))
         if start is None:
@@ -282,10 +314,22 @@ class Shard:
             self._ends[table, column.name].append(ends)
         return int(ends[-1]) if count else start
 
+    def _cells(self, table: str, column: Column, values: Sequence, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """A batch's cells of a ragged column as (values back to back, length of each cell)."""
+        if isinstance(values, Ragged):
+            flat, lengths = values.values.astype(column.dtype, casting="same_kind", copy=False), values.lengths
+            if int(np.sum(lengths)) != len(flat):
+                raise ValueError(f"{self.path}: /{table}/{column.name}: cell lengths do not add up to the values")
+            return flat, lengths
+        lengths = np.fromiter(map(len, values), np.int64, count)
+        return _concatenate_cells(values, np.dtype(column.dtype), int(lengths.sum())), lengths
 
-def create_shard(path: Path, schema: ShardSchema) -> Shard:
-    """A new, empty shard opened for writing (not yet in SWMR mode: objects can still be added)."""
-    file = h5py.File(path, "w", libver="latest", **_WRITER_CACHE)
+
+def create_shard(path: Path, schema: ShardSchema, comm=None) -> Shard:
+    """A new, empty shard opened for writing (not yet in SWMR mode: objects can still be added). With an
+    MPI communicator (h5py built with MPI only), every rank of it opens the same file through MPI-IO."""
+    parallel = dict(driver="mpio", comm=comm) if comm is not None else {}
+    file = h5py.File(path, "w", libver="latest", **parallel, **_WRITER_CACHE)
     file.attrs["schema_version"] = SCHEMA_VERSION
     file.attrs["kind"] = schema.kind
     for table in schema.tables:
@@ -341,8 +385,8 @@ def open_reader(path: Path, schemas: Mapping[str, ShardSchema]) -> Shard:
 
 def copy_rows(src: Shard, dst: Shard, table: str, rows: np.ndarray) -> None:
     """Append the given rows of `src` to `dst`, a few thousand at a time."""
-    for begin in range(0, len(rows), _COPY_ROWS):
-        dst.append(table, src.read_rows(table, rows[begin : begin + _COPY_ROWS]))
+    for begin in range(0, len(rows), COPY_ROWS):
+        dst.append(table, src.read_rows(table, rows[begin : begin + COPY_ROWS]))
 
 
 def rewrite(path: Path, schema: ShardSchema, keep: Callable[[Shard, str], np.ndarray]) -> None:
@@ -411,6 +455,11 @@ def _extend(data: h5py.Dataset, start: int, values: np.ndarray) -> None:
     and an append makes about twenty of them per batch.
     """
     data.id.set_extent((start + len(values), *values.shape[1:]))  # values has the row shape: no file query
+    _write(data, start, values)
+
+
+def _write(data: h5py.Dataset, start: int, values: np.ndarray) -> None:
+    """Write values from row `start` on, inside the dataset's current extent."""
     if len(values):
         file_space = data.id.get_space()
         file_space.select_hyperslab((start,) + (0,) * (values.ndim - 1), values.shape)

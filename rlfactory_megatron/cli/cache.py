@@ -9,6 +9,7 @@ from rlfactory_megatron.envs.storage.export import export_step
 from rlfactory_megatron.envs.storage.merge import merge_shards
 from rlfactory_megatron.envs.storage.schemas import SCHEMAS
 from rlfactory_megatron.envs.storage.shard import ShardError, list_shards, open_reader
+from rlfactory_megatron.envs.storage.topology import detect_topology
 from rlfactory_megatron.envs.storage.verify import verify_shard
 
 
@@ -36,7 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--out", type=Path, required=True)
     export.add_argument("--format", choices=("jsonl", "parquet"), help="default: from the --out suffix")
     export.set_defaults(run=_export)
-    merge = commands.add_parser("merge", help="many shards (of one kind) into one file")
+    merge = commands.add_parser("merge", help="many shards (of one kind) into one file; under mpiexec the ranks "
+                                "copy in parallel where h5py is built with MPI (parallel HDF5)")
     merge.add_argument("paths", type=Path, nargs="+", help="cache directories or shard files")
     merge.add_argument("--out", type=Path, required=True)
     merge.set_defaults(run=_merge)
@@ -91,8 +93,16 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _merge(args: argparse.Namespace) -> int:
-    written = merge_shards(_shard_paths(args.paths), args.out)
-    print(f"merged -> {args.out}: " + ", ".join(f"{table} {rows} rows" for table, rows in written.items()))
+    # Under mpiexec/srun the ranks merge together (in parallel where h5py is built with MPI).
+    topology = detect_topology()
+    comm = None
+    if topology.backend == "mpi":
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+    written = merge_shards(_shard_paths(args.paths), args.out, comm)
+    if topology.rank == 0:
+        print(f"merged -> {args.out}: " + ", ".join(f"{table} {rows} rows" for table, rows in written.items()))
     return 0
 
 

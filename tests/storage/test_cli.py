@@ -23,7 +23,7 @@ def cache_dir(tmp_path, workers):
                 store.write([workers.make_record(step, rank, i) for i in range(5)])
         with ToolArtifactCache(tmp_path / "artifacts", _rank(rank), max_bytes=40_000) as cache:
             for i in range(30):
-                cache.put("t", {"rank": rank, "i": i}, b"x" * 1000)
+                cache.put("t", {"rank": rank, "i": i}, f"{rank}-{i:02d}|".encode() * 250)  # 1.5 KB, each its own
             cache.sync()  # single-process allgather: each rank keeps only the keys it owns, some get evicted
     return tmp_path
 
@@ -65,15 +65,20 @@ def test_merge_rollouts_and_artifacts(cache_dir, workers, tmp_path):
     assert main(["merge", str(cache_dir / "rollouts"), "--out", str(merged)]) == 0
     with RolloutStore(merged.parent, readonly=True) as store:
         assert store.read_step(2) == [workers.make_record(2, rank, i) for rank in range(2) for i in range(5)]
-    live = {}
+    live, values = {}, {}
     for rank in range(2):
         with ToolArtifactCache(cache_dir / "artifacts", _rank(rank), max_bytes=40_000) as cache:
             live[rank] = cache.stats()["owned_entries"]
+            values[rank] = [cache.get("t", {"rank": rank, "i": i}) for i in range(30)]
+    assert 0 < live[0] < 30 and 0 < live[1] < 30  # some entries were evicted: the merge must skip them
     merged = tmp_path / "merged-artifacts" / "shard-00000-of-00001.h5"
     merged.parent.mkdir()
     assert main(["merge", str(cache_dir / "artifacts"), "--out", str(merged)]) == 0
     with ToolArtifactCache(merged.parent, Topology(0, 1, "single", lambda obj: [obj])) as cache:
         assert cache.stats()["owned_entries"] == cache.stats()["entries"] == live[0] + live[1]
         assert cache.stats()["dead_bytes"] == 0
+        for rank in range(2):
+            assert [cache.get("t", {"rank": rank, "i": i}) for i in range(30)] == values[rank]
+        assert sum(v is not None for vs in values.values() for v in vs) == live[0] + live[1]
     mixed = [str(cache_dir / "rollouts"), str(cache_dir / "artifacts")]
     assert main(["merge", *mixed, "--out", str(tmp_path / "x.h5")]) == 1

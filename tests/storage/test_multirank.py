@@ -64,3 +64,35 @@ def test_owners_evict_and_rewrite_while_others_read(launch):
         assert result["wrong"] == 0 and result["missing_last"] == 0
         assert result["stats"]["rewrites"] >= 1 and result["stats"]["owned_bytes"] <= result["stats"]["shard_cap"]
     assert len({r["stats"]["entries"] for r in results}) == 1  # every rank indexes the same live entries
+
+
+def test_merge_under_mpiexec_equals_a_one_process_merge(tmp_path, workers, subprocess_env, venv_bin):
+    """`mpiexec -n 2 rlf-cache merge`: the ranks merge together (in parallel through MPI-IO where h5py is
+    built with MPI, else rank 0 copies while the other waits); the file holds what a one-process merge
+    writes, every rank exits 0, and the summary is printed once."""
+    import h5py
+    import numpy as np
+
+    from rlfactory_megatron.cli.cache import main
+    from rlfactory_megatron.envs.storage import RolloutStore, Topology
+
+    sources = tmp_path / "rollouts"
+    for rank in range(3):
+        with RolloutStore(sources, Topology(rank, 3, "single", lambda obj: [obj])) as store:
+            for step in range(2):
+                store.write([workers.make_record(step, rank, i) for i in range(7 + rank)])
+    serial, parallel = tmp_path / "serial.h5", tmp_path / "parallel" / "shard-00000-of-00001.h5"
+    parallel.parent.mkdir()
+    assert main(["merge", str(sources), "--out", str(serial)]) == 0
+    proc = subprocess.run([str(venv_bin / "mpiexec"), "-n", "2", str(venv_bin / "rlf-cache"), "merge", str(sources),
+                           "--out", str(parallel)], env=subprocess_env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("merged ->") == 1 and "rollouts 48 rows" in proc.stdout
+    with h5py.File(serial, "r") as one, h5py.File(parallel, "r") as two:
+        names = []
+        one.visit(names.append)
+        for name in names:
+            if isinstance(one[name], h5py.Dataset):
+                assert np.array_equal(one[name][()], two[name][()]), name
+    with RolloutStore(parallel.parent, readonly=True) as store:
+        assert store.read_step(1) == [workers.make_record(1, rank, i) for rank in range(3) for i in range(7 + rank)]
