@@ -4,6 +4,7 @@ committed batch when the writer died mid-write."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import operator
 import os
 import threading
@@ -78,6 +79,7 @@ class WriteBehind:
                 return
 
 
+@functools.cache
 def _sync_file_range():
     try:
         call = ctypes.CDLL(None, use_errno=True).sync_file_range  # glibc/musl on Linux only
@@ -231,8 +233,7 @@ class Shard:
         for column in self.schema.table(table).columns:
             values, count = batch[column.name], len(batch[column.name])
             if not column.ragged:
-                shape = (count, column.width) if column.width else (count,)
-                _write(self._ds[table, column.name], first, np.asarray(values, dtype=column.dtype).reshape(shape))
+                _write(self._ds[table, column.name], first, _fixed_rows(column, values, count))
                 continue
             flat, lengths = self._cells(table, column, values, count)
             ends = starts[column.name] + np.cumsum(lengths, dtype=np.int64)
@@ -299,8 +300,7 @@ class Shard:
         """Write one column of a batch (not yet committed); a ragged column returns its new end offset."""
         data = self._ds[table, column.name]
         if not column.ragged:
-            shape = (count, column.width) if column.width else (count,)
-            _extend(data, first, np.asarray(values, dtype=column.dtype).reshape(shape))
+            _extend(data, first, _fixed_rows(column, values, count))
             return None
         flat, lengths = self._cells(table, column, values, count)
         offsets = self._ds[table, column.name + OFFSETS]
@@ -430,6 +430,12 @@ def _create_column(group: h5py.Group, table: Table, column: Column) -> None:
         rows_per_chunk = max(1, table.chunk_bytes // (8 * itemsize * max(1, column.width)))
         group.create_dataset(column.name, shape=(0, *width), maxshape=(None, *width), dtype=column.dtype,
                              chunks=(rows_per_chunk, *width))
+
+
+def _fixed_rows(column: Column, values: Sequence, count: int) -> np.ndarray:
+    """A batch's values of a fixed column as an array of its row shape."""
+    shape = (count, column.width) if column.width else (count,)
+    return np.asarray(values, dtype=column.dtype).reshape(shape)
 
 
 def _concatenate_cells(cells: Sequence, dtype: np.dtype, total: int) -> np.ndarray:
