@@ -31,12 +31,32 @@ def merge_shards(paths: Sequence[Path], out: Path, comm=None) -> dict[str, int]:
     """Write `out` holding every live row of `paths`; returns rows written per table.
 
     `comm`: an mpi4py communicator whose ranks all call this with the same arguments (None: this process
-    alone). Its ranks copy in parallel when h5py is built with MPI; else rank 0 copies and the others wait.
+    alone). Its ranks copy in parallel when h5py is built with MPI; else rank 0 copies and the others wait
+    for its outcome (its error is raised on every rank, so none is left waiting).
     """
     if not paths:
         raise ShardError(f"{out}: nothing to merge (no shard files given)")
+    if comm is None or comm.Get_size() == 1:
+        return _merge(paths, out, None)
+    if h5py.get_config().mpi:
+        written = _merge(paths, out, comm)
+        comm.Barrier()  # no rank returns before rank 0 put the file in place
+        return written
+    outcome: dict[str, int] | Exception | None = None
+    if comm.Get_rank() == 0:
+        try:
+            outcome = _merge(paths, out, None)
+        except Exception as exc:
+            outcome = exc
+    outcome = comm.bcast(outcome, root=0)
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome
+
+
+def _merge(paths: Sequence[Path], out: Path, comm) -> dict[str, int]:
+    """The merge by this process alone (comm None), or by every rank of `comm` through MPI-IO."""
     rank, world = (comm.Get_rank(), comm.Get_size()) if comm is not None else (0, 1)
-    parallel = world > 1 and h5py.get_config().mpi
     tmp = Path(out).with_name(Path(out).name + ".tmp")
     sources = [open_reader(path, SCHEMAS) for path in paths]
     try:
@@ -44,23 +64,18 @@ def merge_shards(paths: Sequence[Path], out: Path, comm=None) -> dict[str, int]:
         if len(kinds) != 1:
             raise ShardError(f"{out}: cannot merge shards of different kinds {sorted(kinds)}")
         schema = sources[0].schema
-        mine = [i for i in range(len(sources)) if not parallel or i % world == rank]
+        mine = range(rank, len(sources), world)
         keep = {(i, table.name): _live_rows(schema, sources[i], table.name) for i in mine for table in schema.tables}
         shares = {key: _share(sources[key[0]], key[1], rows) for key, rows in keep.items()}
-        if parallel:  # every rank sized its own sources: gather the whole plan
+        if comm is not None:  # every rank sized its own sources: gather the whole plan
             shares = {key: share for part in comm.allgather(shares) for key, share in part.items()}
-        if parallel or rank == 0:
-            _copy(sources, schema, tmp, keep, shares, comm if parallel else None)
-        written = {table.name: sum(shares[i, table.name].rows for i in range(len(sources)))
-                   for table in schema.tables} if (parallel or rank == 0) else None
+        _copy(sources, schema, tmp, keep, shares, comm)
     finally:
         for source in sources:
             source.close()
     if rank == 0:
         os.replace(tmp, out)
-    if comm is not None and world > 1:
-        written = comm.bcast(written, root=0)  # also: no rank returns before the file is in place
-    return written
+    return {table.name: sum(shares[i, table.name].rows for i in range(len(sources))) for table in schema.tables}
 
 
 def _copy(sources: list[Shard], schema: ShardSchema, tmp: Path, keep: dict, shares: dict, comm) -> None:

@@ -226,7 +226,8 @@ class Shard:
             else:
                 data.id.set_extent((rows, *data.shape[1:]))
 
-    def write_at(self, table: str, first: int, starts: Mapping[str, int], batch: Mapping[str, Sequence]) -> dict[str, int]:
+    def write_at(self, table: str, first: int, starts: Mapping[str, int],
+                 batch: Mapping[str, Sequence]) -> dict[str, int]:
         """Write a batch into reserved space, not committed: its rows from row `first` on, each ragged
         column's values from `starts[column]` on. Returns where each ragged column's next values start."""
         nexts = {}

@@ -90,7 +90,7 @@ class ToolsConfig:
     call_timeout_s: float = 10.0
     num_workers: int = 2
     max_concurrency: int = 64
-    channel: str = "auto"  # how calls reach the tool actors: auto (Unix socket on this node, else TCP) | tcp
+    channel: str = "auto"  # how calls reach the tool actors: auto (Unix socket on this node, else TCP) | unix | tcp
 
 
 @dataclass
