@@ -1,5 +1,6 @@
 """Calling a reward function safely: one sample or one batch in, `SampleScore`s out, errors caught."""
 import logging
+import math
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -10,13 +11,22 @@ logger = logging.getLogger(__name__)
 
 
 def to_sample_score(value: Any) -> SampleScore:
-    """A reward function's return value (a number, or a dict with "score" and extras) as a SampleScore."""
+    """A reward function's return value (a number, or a dict with "score" and extras) as a SampleScore.
+
+    The score must be a finite number: one NaN reward makes every advantage and the update NaN,
+    so a NaN, an infinity or a string is that sample's error, like a raise."""
+    extra: dict = {}
     if isinstance(value, dict):
         if "score" not in value:
             raise ValueError(f"a reward dict must have a 'score' key, got keys {sorted(value)}")
         extra = {k: v for k, v in value.items() if k != "score"}
-        return SampleScore(score=float(value["score"]), extra=extra)
-    return SampleScore(score=float(value))
+        value = value["score"]
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"reward must be a number, got the {type(value).__name__} {value!r:.60}")
+    score = float(value)
+    if not math.isfinite(score):
+        raise ValueError(f"reward must be finite, got {score}")
+    return SampleScore(score=score, extra=extra)
 
 
 def failed(sample_index: int, error: str) -> SampleScore:
@@ -58,7 +68,15 @@ def score_batch(fn: Callable[..., Any], samples: list[RewardSample]) -> list[Sam
         )
         if len(values) != len(samples):
             raise ValueError(f"batch reward function returned {len(values)} scores for {len(samples)} samples")
-        return [to_sample_score(v) for v in values]
     except Exception as exc:  # one bad batch call costs the batch 0, not the run
         error = describe(exc)
         return [failed(i, error) for i in range(len(samples))]
+    return [_checked(value, i) for i, value in enumerate(values)]
+
+
+def _checked(value: Any, index: int) -> SampleScore:
+    """One returned value as a SampleScore; a bad one (NaN, a string) fails its own sample only."""
+    try:
+        return to_sample_score(value)
+    except Exception as exc:
+        return failed(index, describe(exc))

@@ -285,14 +285,17 @@ def _run_updates(engine: MegatronEngine, batch: RolloutBatch, epochs: int, mini_
     sums: dict[str, float] = {}
     grad_norms = []
     tokens = 0.0
-    updates = 0
+    updates = skipped = 0
     start = time.perf_counter()
     for _ in range(epochs):
         for mini in mini_batches(batch, mini_size):
             plan = _plan(mini, max_tokens)
             step = engine.train_step(plan, make_loss_fn(mini, plan))
-            grad_norms.append(step["grad_norm"])
             updates += 1
+            if step["skipped"]:
+                skipped += 1
+            else:
+                grad_norms.append(step["grad_norm"])
             for out in step["outputs"]:
                 if not out["rows"]:
                     continue
@@ -311,7 +314,9 @@ def _run_updates(engine: MegatronEngine, batch: RolloutBatch, epochs: int, mini_
     total_tokens = float(values[-1])
     metrics = {k: float(v) / (updates if k.endswith(_SHARE_METRICS) else max(total_tokens, 1.0))
                for k, v in zip(keys[0], values[:-1])}
-    metrics[f"{prefix}/grad_norm"] = sum(grad_norms) / len(grad_norms)
+    # Over the optimizer steps taken: a skipped one's norm is not finite (see MegatronEngine.train_step).
+    metrics[f"{prefix}/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
+    metrics[f"{prefix}/skipped_steps"] = float(skipped)
     metrics[f"{prefix}/lr"] = engine.optimizer.param_groups[0]["lr"]
     metrics[f"{prefix}/tokens_per_s"] = total_tokens / (time.perf_counter() - start)
     return metrics

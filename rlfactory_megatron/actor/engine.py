@@ -22,6 +22,10 @@ from rlfactory_megatron.runtime.cpu_compat import compute_device, cuda_available
 MicroLossFn = Callable[[PackedMicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
+class NonFiniteError(RuntimeError):
+    """Non-finite numbers where the run cannot go on: weights, or update after update."""
+
+
 class MegatronEngine:
     """Owns model chunks (+ DDP, optimizer, scheduler when trainable) and runs planned micro-batches."""
 
@@ -40,6 +44,7 @@ class MegatronEngine:
             load_hf_weights(chunks, arch, hf_dir)
         self.optimizer = self.scheduler = None
         self._fixed_lr: float | None = None
+        self.skipped_in_a_row = 0  # optimizer steps skipped for a non-finite loss or gradient, since the last one taken
         if not self.trainable:
             for chunk in chunks:
                 chunk.requires_grad_(False)
@@ -83,6 +88,13 @@ class MegatronEngine:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = self.run(plan, loss_fn, forward_only=False)
+        if not self._finite_everywhere(outputs):
+            # One NaN reward or overflow would otherwise go into Adam's moments and every weight:
+            # nothing of this mini-batch is applied, and the LR schedule does not advance.
+            self.skipped_in_a_row += 1
+            return {"outputs": outputs, "grad_norm": float("nan"), "updated": False, "skipped": True,
+                    "lr": self.optimizer.param_groups[0]["lr"], "step_time_s": time.perf_counter() - start}
+        self.skipped_in_a_row = 0
         if self._fixed_lr is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = self._fixed_lr * group.get("lr_mult", 1.0)
@@ -93,9 +105,42 @@ class MegatronEngine:
             "outputs": outputs,
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "updated": bool(updated),
+            "skipped": False,
             "lr": self.optimizer.param_groups[0]["lr"],
             "step_time_s": time.perf_counter() - start,
         }
+
+    def _finite_everywhere(self, outputs: list[dict[str, Any]]) -> bool:
+        """Whether every rank's gradients (after the DP all-reduce) and losses are finite: one
+        collective flag, so that all ranks skip a step together or take it together."""
+        bad = torch.zeros((), device=compute_device())
+        for chunk in self.chunks:
+            for buffer in chunk.buffers:
+                bad += (~torch.isfinite(buffer.grad_data)).any()
+        for out in outputs:
+            for value in out.values():
+                if isinstance(value, torch.Tensor) and value.is_floating_point():
+                    bad += (~torch.isfinite(value.detach().to(bad.device))).any()
+        if dist.get_world_size() > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return not bool(bad)
+
+    def check_finite(self, before: str) -> None:
+        """Raise NonFiniteError naming the first non-finite parameter (on any rank), e.g. before a
+        weight sync or a checkpoint: serving or saving such weights would spread the damage."""
+        bad = [name for name, p in self._named_parameters() if not bool(torch.isfinite(p.detach()).all())]
+        flag = torch.tensor(float(bool(bad)), device=compute_device())
+        if dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag:
+            where = f"e.g. '{bad[0]}' on rank {dist.get_rank()}" if bad else "on another rank"
+            raise NonFiniteError(f"non-finite weights found before {before} ({where}), which did not happen; "
+                                 "lower actor.optim.lr or check the rewards, and resume from the last checkpoint")
+
+    def _named_parameters(self):
+        for index, module in enumerate(self.modules()):
+            for name, param in module.named_parameters():
+                yield (f"chunk{index}.{name}" if len(self.chunks) > 1 else name), param
 
     @contextlib.contextmanager
     def fixed_lr(self, lr: float):

@@ -41,7 +41,11 @@ def _broadcast(per_seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _group_stats(scores: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-sample (group size, group mean, unbiased group std) of `scores` grouped by `group_index`."""
+    """Per-sample (group size, group mean, unbiased group std) of `scores` grouped by `group_index`,
+    in float64: a float32 mean of equal scores such as 0.9 can be one ulp off, which the std
+    division (std ~6e-8 against eps 1e-6) blows up to advantages of +-0.06 for a group that should
+    teach nothing. In float64 the sum of up to 2**29 equal float32 scores is exact, so is the mean."""
+    scores = scores.double()
     _, inverse = torch.unique(group_index, return_inverse=True)
     n_groups = int(inverse.max()) + 1
     size = torch.bincount(inverse, minlength=n_groups).to(scores.dtype)
@@ -49,6 +53,17 @@ def _group_stats(scores: torch.Tensor, group_index: torch.Tensor) -> tuple[torch
     sq_dev = (scores - mean[inverse]).square()
     var = torch.zeros_like(mean).index_add_(0, inverse, sq_dev) / (size - 1).clamp(min=1)
     return size[inverse], mean[inverse], var.sqrt()[inverse]
+
+
+def _uniform_group(scores: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """[B] bool: the sample's group (of two or more) scored all alike; its advantage is exactly 0."""
+    _, inverse = torch.unique(group_index, return_inverse=True)
+    n_groups = int(inverse.max()) + 1
+    scores = scores.double()
+    low = torch.full((n_groups,), float("inf"), dtype=scores.dtype).scatter_reduce(0, inverse, scores, "amin")
+    high = torch.full((n_groups,), float("-inf"), dtype=scores.dtype).scatter_reduce(0, inverse, scores, "amax")
+    size = torch.bincount(inverse, minlength=n_groups)
+    return ((low == high) & (size > 1))[inverse]
 
 
 def _reverse_scan(step, mask: torch.Tensor, *carry: torch.Tensor) -> torch.Tensor:
@@ -102,10 +117,11 @@ def _grpo(
     singleton = size <= 1
     mean = torch.where(singleton, torch.zeros_like(mean), mean)
     std = torch.where(singleton, torch.ones_like(std), std)
-    adv = scores - mean
+    adv = scores.double() - mean
     if norm_by_std:
         adv = adv / (std + GROUP_STD_EPS)
-    adv = _broadcast(adv, mask)
+    adv = torch.where(_uniform_group(scores, group_index), torch.zeros_like(adv), adv)
+    adv = _broadcast(adv.to(scores.dtype), mask)
     return Advantages(adv, adv)
 
 
@@ -154,9 +170,11 @@ def rloo(
     group_index = _require(group_index, "group_index", "rloo")
     scores = masked_sum(token_rewards, mask, dim=-1)
     size, mean, _ = _group_stats(scores, group_index)
-    others_mean = (mean * size - scores) / (size - 1).clamp(min=1)
-    adv = torch.where(size > 1, scores - others_mean, scores)
-    adv = _broadcast(adv, mask)
+    wide = scores.double()
+    others_mean = (mean * size - wide) / (size - 1).clamp(min=1)
+    adv = torch.where(size > 1, wide - others_mean, wide)
+    adv = torch.where(_uniform_group(scores, group_index), torch.zeros_like(adv), adv)
+    adv = _broadcast(adv.to(scores.dtype), mask)
     return Advantages(adv, adv)
 
 
@@ -196,6 +214,9 @@ def reinforce_plus_plus_baseline(
     """score - group mean, broadcast to tokens, then whitened over the batch."""
     centered = _grpo(token_rewards, mask, group_index, norm_by_std=False, name="reinforce++-baseline").advantages
     adv = masked_whiten(centered, mask)
+    # Whitening shifts every row by the batch mean; a group that scored all alike stays at 0.
+    uniform = _uniform_group(masked_sum(token_rewards, mask, dim=-1), group_index)
+    adv = torch.where(uniform[:, None], torch.zeros_like(adv), adv)
     return Advantages(adv, adv)
 
 

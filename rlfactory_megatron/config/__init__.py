@@ -24,7 +24,8 @@ CHOICES: dict[str, tuple] = {
 }
 POSITIVE_INTS = ("parallel.tp", "parallel.pp", "rollout.n", "rollout.tp", "actor.ppo_epochs",
                  "actor.mini_batch_size", "actor.max_tokens_per_microbatch", "trainer.total_steps",
-                 "trainer.prompts_per_step", "weight_sync.bucket_mb", "tools.max_turns", "trainer.sft_batch_size")
+                 "trainer.prompts_per_step", "weight_sync.bucket_mb", "tools.max_turns", "trainer.sft_batch_size",
+                 "trainer.max_skipped_updates")
 
 
 class ConfigError(ValueError):

@@ -138,6 +138,9 @@ class TrainerConfig:
     # Dynamic sampling (trainer.algorithm=dapo): further rollout rounds per step to replace
     # groups whose samples all scored the same.
     max_refill_rounds: int = 3
+    # Optimizer steps (actor or critic) skipped in a row for a non-finite loss or gradient before
+    # the run stops with an error; a skipped step applies nothing (counted in actor/skipped_steps).
+    max_skipped_updates: int = 8
 
 
 @dataclass

@@ -225,12 +225,11 @@ class Trainer:
         metrics = self.actor.update(batch)
         if self.critic is not None:
             metrics.update(self.critic.update(batch))
+        self._stop_if_diverging(metrics, reward)
         timings["time/update_s"] = time.perf_counter() - clock
 
         clock = time.perf_counter()
-        from rlfactory_megatron.rollout.weight_sync import sync_weights
-
-        sync_weights(self.actor.engine, self.transport, self.cfg.weight_sync.bucket_mb)
+        self._sync_weights()
         timings["time/sync_s"] = time.perf_counter() - clock
 
         self.step_index += 1
@@ -249,6 +248,28 @@ class Trainer:
         metrics["perf/tokens_per_s"] = tokens / max(step_time, 1e-9)
         metrics["perf/step_s"] = step_time
         return metrics
+
+    def _stop_if_diverging(self, metrics: dict[str, float], reward) -> None:
+        """Raise once trainer.max_skipped_updates optimizer steps in a row were skipped for
+        non-finite numbers (each skip applied nothing): the run would otherwise go on untrained."""
+        from rlfactory_megatron.actor.engine import NonFiniteError
+
+        limit = self.cfg.trainer.max_skipped_updates
+        for name, model in (("actor", self.actor), ("critic", self.critic)):
+            if model is not None and model.engine.skipped_in_a_row >= limit:
+                shown = {k: metrics[k] for k in (f"{name}/pg_loss", f"{name}/vf_loss", f"{name}/grad_norm") if k in metrics}
+                raise NonFiniteError(
+                    f"{name}: the last {model.engine.skipped_in_a_row} optimizer steps had a non-finite loss or "
+                    f"gradient and were skipped ({', '.join(f'{k}={v:g}' for k, v in shown.items())}; this step's "
+                    f"rewards {'are all finite' if np.isfinite(reward.scores).all() else 'hold non-finite values'}); "
+                    f"lower actor.optim.lr or raise trainer.max_skipped_updates={limit}")
+
+    def _sync_weights(self) -> None:
+        """The actor's weights into the engine, once they are known to be finite."""
+        from rlfactory_megatron.rollout.weight_sync import sync_weights
+
+        self.actor.engine.check_finite("the weight sync")
+        sync_weights(self.actor.engine, self.transport, self.cfg.weight_sync.bucket_mb)
 
     def _generate(self):
         """Rank 0: this step's rollouts, and None for their rewards (scored later, overlapped).
@@ -409,9 +430,7 @@ class Trainer:
                           f"| ETA {int(elapsed / done * (cfg.sft_steps - done))}s", flush=True)
         if self.is_leader:
             print(f"rlf-train: SFT warm-start done ({cfg.sft_steps} steps, loss {metrics['sft/loss']:.3f})")
-        from rlfactory_megatron.rollout.weight_sync import sync_weights
-
-        sync_weights(self.actor.engine, self.transport, self.cfg.weight_sync.bucket_mb)
+        self._sync_weights()
 
     def _demonstration_rows(self) -> list[tuple[list[int], list[int]]]:
         """Rank 0: prompt + demonstration tokens of every record that has one, mask 1 on the
@@ -437,6 +456,7 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
         directory = self.output / "checkpoints" / f"step_{self.step_index:06d}"
+        self.actor.engine.check_finite("the checkpoint")
         self.actor.engine.save(directory / "actor")
         if self.critic is not None:
             self.critic.engine.save(directory / "critic")
@@ -468,9 +488,7 @@ class Trainer:
             self.critic.engine.load(directory / "critic")
         self.step_index = int(state["step"])
         self.sampler.load_state_dict(state["sampler"])
-        from rlfactory_megatron.rollout.weight_sync import sync_weights
-
-        sync_weights(self.actor.engine, self.transport, self.cfg.weight_sync.bucket_mb)
+        self._sync_weights()
         if self.is_leader:
             self.logger.rewind(self.step_index)
             print(f"rlf-train: resumed from {directory} at step {self.step_index}")

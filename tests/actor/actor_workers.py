@@ -128,3 +128,42 @@ def critic_worker(hf_dir: str, tp: int, pp: int) -> dict:
         return {"metrics": metrics, "values": values, "after": after}
     finally:
         destroy_distributed()
+
+
+def non_finite_worker(hf_dir: str, tp: int, pp: int, poison: str) -> dict:
+    """One update whose advantages (or old log-probs) hold a NaN on a trained token, then a clean
+    one: the first must leave every weight as it was, the second must move them."""
+    from rlfactory_megatron.actor.engine import NonFiniteError
+
+    init_distributed(ParallelSizes(tp, pp), seed=7)
+    try:
+        cfg = actor_config(**{"actor.kl_loss_coef": 0.0})
+        arch = load_arch(hf_dir)
+        actor = Actor(cfg.actor, arch, hf_dir, BuildOptions(), total_steps=10)
+        batch = make_batch(arch.vocab_size)
+        batch = batch.with_fields(old_log_probs=actor.compute_log_probs(batch)["log_probs"])
+        field = {"advantage": "advantages", "old_log_prob": "old_log_probs"}[poison]
+        bad = getattr(batch, field).clone()
+        bad[1, 5] = float("nan")
+        before = {k: v.clone() for k, v in actor.engine.iter_hf_weights()}
+        lr_before = actor.engine.optimizer.param_groups[0]["lr"]
+        skipped = actor.update(batch.with_fields(**{field: bad}))
+        after_skip = dict(actor.engine.iter_hf_weights())
+        unchanged = all(torch.equal(before[k], after_skip[k]) for k in before)
+        in_a_row = actor.engine.skipped_in_a_row
+        actor.engine.check_finite("the test's sync")
+        taken = actor.update(batch)
+        moved = max((v - before[k]).abs().max().item() for k, v in actor.engine.iter_hf_weights())
+        # Poisoned weights are refused before they are served or saved.
+        next(p for p in actor.engine.modules()[0].parameters()).data[0].fill_(float("nan"))
+        try:
+            actor.engine.check_finite("the weight sync")
+            refused = ""
+        except NonFiniteError as exc:
+            refused = str(exc)
+        return {"skipped": skipped["actor/skipped_steps"], "unchanged": unchanged, "in_a_row": in_a_row,
+                "lr_kept": actor.engine.optimizer.param_groups[0]["lr"] == lr_before,
+                "taken": taken["actor/skipped_steps"], "moved": moved, "reset": actor.engine.skipped_in_a_row,
+                "refused": refused}
+    finally:
+        destroy_distributed()

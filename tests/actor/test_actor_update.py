@@ -135,3 +135,12 @@ def test_critic_values_and_update(tiny_hf_dirs, tp, pp):
     assert after < before
     for r in results:
         assert torch.allclose(r["values"], first["values"], atol=1e-6)
+
+
+@pytest.mark.parametrize("poison,tp,pp", [("advantage", 1, 1), ("old_log_prob", 1, 2), ("advantage", 2, 1)])
+def test_non_finite_update_is_skipped_on_every_rank(tiny_hf_dirs, poison, tp, pp):
+    results = spawn_local_workers(actor_workers.non_finite_worker, tp * pp, tiny_hf_dirs["qwen3"], tp, pp, poison)
+    for out in results:
+        assert out["skipped"] == 1 and out["unchanged"] and out["in_a_row"] == 1 and out["lr_kept"]
+        assert out["taken"] == 0 and out["moved"] > 1e-5 and out["reset"] == 0
+        assert "non-finite weights found before the weight sync" in out["refused"] or "another rank" in out["refused"]

@@ -123,3 +123,26 @@ def test_group_estimators_name_missing_input(name):
 def test_unknown_estimator_lists_choices():
     with pytest.raises(KeyError, match="gae"):
         ADVANTAGE_ESTIMATORS.get("ppo2")
+
+
+GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce++-baseline")
+
+
+@pytest.mark.parametrize("name", GROUP_ESTIMATORS)
+def test_a_group_of_equal_rewards_gets_exactly_zero_advantage(name):
+    # float32 means of e.g. 8 x 0.9 are one ulp off; divided by a ~6e-8 std that was +-0.056.
+    from rlfactory_megatron.algorithms.advantages import compute_advantages
+
+    gen = torch.Generator().manual_seed(0)
+    values = [0.9, 0.7, 0.1, 1 / 3, 0.3, -0.3, 12345.678, 1e-7] + (torch.rand(24, generator=gen) * 4 - 2).tolist()
+    for value in values:
+        for size in range(2, 17):
+            rewards = torch.zeros(2 * size, 6)
+            rewards[:size, -1] = value
+            rewards[size:, -1] = torch.rand(size, generator=gen)
+            mask = torch.ones(2 * size, 6)
+            groups = torch.arange(2 * size) // size
+            adv = compute_advantages(name, rewards, mask, group_index=groups).advantages
+            assert adv.dtype == torch.float32
+            assert torch.count_nonzero(adv[:size]) == 0, (value, size)
+            assert torch.count_nonzero(adv[size:]) > 0

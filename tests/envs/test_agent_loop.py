@@ -165,3 +165,19 @@ def test_loop_through_the_ray_pool_survives_a_hung_tool(qwen_tokenizer, ray_sess
     assert hung.is_error and "timed out" in hung.observation and calc.observation == "42"
     assert traj.stop_reason == "answer" and "timed out after 1s" in qwen_tokenizer.decode(engine.requests[1][0])
     assert metrics["hangs"]["timeouts"] == 1 and metrics["calculator"]["calls"] == 1
+
+
+class OddTextTool(BaseTool):
+    name, description = "odd", "text with lone surrogates, as surrogateescape-decoded bytes give"
+
+    async def execute(self, args):
+        return ToolResult(b"caf\xe9 \xff ok".decode("utf-8", "surrogateescape") + "\ud800")
+
+
+def test_a_tool_result_with_lone_surrogates_reaches_the_model_replaced(qwen_tokenizer):
+    box = toolbox(extra_tools=[OddTextTool()])
+    traj, _, _, _ = rollout(qwen_tokenizer, [call("odd") + "<|im_end|>", "ok<|im_end|>"], box)
+    observation = traj.turns[0].tool_calls[0].observation
+    assert observation == "caf\ufffd \ufffd ok\ufffd"
+    assert traj.stop_reason == "answer" and traj.turns[0].observation_tokens > 0
+    observation.encode("utf-8")  # stored and logged as UTF-8 from here on

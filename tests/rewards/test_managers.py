@@ -139,3 +139,19 @@ def test_prime_times_out_and_survives_raising_and_crashing_samples(reward_fn_fil
         assert timeout <= elapsed < timeout + 1.5
     finally:
         manager.close()
+
+
+@pytest.mark.parametrize("value", ["float('nan')", "float('inf')", "-float('inf')", "'0.5'", "{'score': float('nan')}",
+                                   "None", "[1.0]"])
+def test_a_non_finite_or_non_numeric_reward_is_that_samples_error(tmp_path, value):
+    # One NaN reward makes every advantage of the batch and the update NaN: it must never leave the scorer.
+    path = tmp_path / "odd.py"
+    path.write_text("def f(data_source, solution_str, ground_truth, extra_info):\n"
+                    f"    return {value} if solution_str == 'odd' else 1.0\n"
+                    "def g(data_sources, solution_strs, ground_truths, extra_infos):\n"
+                    "    return [f(d, s, t, e) for d, s, t, e in zip(data_sources, solution_strs, ground_truths, extra_infos)]\n")
+    for manager, name in (("naive", "f"), ("batch", "g")):
+        result = build_reward_manager(manager, RewardFnSpec(path=str(path), name=name))(_samples(["a", "odd", "b"]))
+        assert result.scores == [1.0, 0.0, 1.0], manager
+        assert result.errors[0] is None and result.errors[2] is None and result.errors[1], manager
+        assert all(isinstance(s, float) for s in result.scores)
