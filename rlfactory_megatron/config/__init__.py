@@ -16,7 +16,7 @@ CHOICES: dict[str, tuple] = {
     "model.layer_spec": ("auto", "local_sdpa", "local", "transformer_engine"),
     "actor.optim.lr_decay_style": ("constant", "linear", "cosine"),
     "critic.optim.lr_decay_style": ("constant", "linear", "cosine"),
-    "weight_sync.transport": ("in_process", "broadcast"),
+    "rollout.mode": ("colocated",),
     "tools.format": ("qwen3", "qwen2_5", "llama3"),
     "tools.channel": ("auto", "unix", "tcp"),
     "trainer.algorithm": ("ppo", "grpo", "dapo", "gspo", "reinforce_pp", "rloo"),
@@ -91,13 +91,39 @@ def validate_static(cfg) -> None:
         if cfg.trainer.task not in TASKS:
             raise ConfigError(f"trainer.task='{cfg.trainer.task}' is not a built-in task; choose one of: "
                               f"{', '.join(TASKS)} (or give trainer.data_path)")
+    _validate_rollout(cfg)
     if cfg.parallel.vpp is not None and cfg.parallel.pp < 2:
         raise ConfigError(f"parallel.vpp={cfg.parallel.vpp} needs parallel.pp >= 2 (or set parallel.vpp=null)")
+
+
+# Which weight-sync transports each rollout mode can use: a colocated engine lives in a training
+# process, so its weights go straight to its loader.
+MODE_TRANSPORTS = {"colocated": ("in_process",)}
+
+
+def _validate_rollout(cfg) -> None:
+    """Engine and transport names from their registries; the transport must suit the mode."""
+    from rlfactory_megatron.rollout import ray_engine  # noqa: F401  (registers the broadcast transport)
+    from rlfactory_megatron.rollout.engines import ROLLOUT_ENGINES
+    from rlfactory_megatron.rollout.weight_sync import TRANSPORTS
+
+    for key, registry in (("rollout.engine", ROLLOUT_ENGINES), ("weight_sync.transport", TRANSPORTS)):
+        value = OmegaConf.select(cfg, key)
+        if value not in registry:
+            raise ConfigError(f"{key}='{value}' is not allowed; choose one of: {', '.join(registry)}")
+    usable = MODE_TRANSPORTS[cfg.rollout.mode]
+    if cfg.weight_sync.transport not in usable:
+        raise ConfigError(f"weight_sync.transport='{cfg.weight_sync.transport}' cannot feed rollout.mode="
+                          f"'{cfg.rollout.mode}' engines; use {' or '.join(usable)}")
 
 
 def validate_against_model(cfg, arch, world_size: int) -> None:
     """Checks that need the model's shape and the job's size; run before initializing anything."""
     tp, pp, vpp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp
+    if cfg.rollout.mode == "colocated" and world_size % cfg.rollout.tp != 0:
+        raise ConfigError(f"rollout.tp={cfg.rollout.tp} does not divide the world of {world_size} rank(s): colocated "
+                          f"mode runs one engine per rollout.tp ranks; use rollout.tp in "
+                          f"{{{', '.join(str(d) for d in _divisors(world_size))}}}")
     if world_size % (tp * pp) != 0:
         raise ConfigError(
             f"world size {world_size} is not divisible by parallel.tp*parallel.pp={tp}*{pp}; "

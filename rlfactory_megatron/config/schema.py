@@ -62,7 +62,10 @@ class CriticConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = "vllm"
+    # colocated: one engine per group of rollout.tp training ranks, on their devices (world / tp
+    # engines, all generating; asleep while the model trains on GPU).
+    mode: str = "colocated"
+    engine: str = "vllm"  # a name in rlfactory_megatron.rollout.engines.ROLLOUT_ENGINES
     n: int = 4
     temperature: float = 1.0
     top_p: float = 1.0
@@ -77,7 +80,7 @@ class RolloutConfig:
 @dataclass
 class WeightSyncConfig:
     bucket_mb: int = 512
-    transport: str = "in_process"  # in_process | broadcast
+    transport: str = "in_process"  # a name in TRANSPORTS; colocated engines take in_process
 
 
 @dataclass

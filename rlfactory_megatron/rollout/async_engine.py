@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +53,7 @@ class AsyncBatchingEngine:
         self.window_s = window_s
         self.batches = 0  # engine calls made
         self.requests = 0  # requests they served
+        self.busy_s = 0.0  # wall time inside engine calls
         self._pending: list[_Request] = []
         self._arrived: asyncio.Event | None = None
         self._full: asyncio.Event | None = None
@@ -100,7 +102,11 @@ class AsyncBatchingEngine:
         sampling = dataclasses.replace(group[0].sampling, max_tokens=max(r.sampling.max_tokens for r in group))
         try:
             seeds = [r.sampling.seed for r in group] if any(r.sampling.seed is not None for r in group) else None
-            outputs = await asyncio.to_thread(self.engine.generate, [r.prompt for r in group], sampling, seeds)
+            started = time.perf_counter()
+            try:
+                outputs = await asyncio.to_thread(self.engine.generate, [r.prompt for r in group], sampling, seeds)
+            finally:
+                self.busy_s += time.perf_counter() - started
         except Exception as exc:  # every caller of the batch sees the engine's failure
             for request in group:
                 if not request.done.done():

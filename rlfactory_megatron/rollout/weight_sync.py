@@ -86,6 +86,10 @@ def check_manifest(offered: dict[str, tuple], expected: dict[str, tuple]) -> Non
 class Transport:
     """Moves buckets from the sending training rank into an engine."""
 
+    # The weight version the engine serves: set after each complete sync (a sync cut short leaves
+    # layers of two versions, and the number of the last complete one).
+    served_version: int = 0
+
     def expected_weights(self) -> dict[str, tuple]: ...
 
     def send(self, bucket: list[tuple[str, torch.Tensor]]) -> None: ...
@@ -126,26 +130,33 @@ class SyncStats:
         return self.bytes / max(self.seconds, 1e-9) / 1e9
 
 
-def sync_weights(actor_engine, transport: Transport | None, bucket_mb: float, sender_rank: int = 0) -> SyncStats | None:
-    """Collective over all training ranks; `transport` is used on `sender_rank` only (None elsewhere).
+def sync_weights(actor_engine, transport: Transport | None, bucket_mb: float,
+                 version: int | None = None) -> SyncStats | None:
+    """Collective over all training ranks: every rank that holds a `transport` (one per engine:
+    the export yields full tensors on every rank) sends every bucket into its engine, so all
+    engines take the same sync at once; ranks without an engine pass None.
 
-    Returns the stats on the sender, None on other ranks.
+    `version` (the trainer's update count) is what each engine reports serving once its sync is
+    complete. Returns the stats on ranks that sent, None elsewhere.
     """
     from rlfactory_megatron.models.conversion import hf_weight_manifest
 
     start = time.perf_counter()
-    is_sender = dist.get_rank() == sender_rank
+    is_sender = transport is not None
     manifest = hf_weight_manifest(actor_engine.modules(), actor_engine.arch)
-    verdict = [None]
+    verdict = None
     if is_sender:
         try:
             check_manifest({n: shape for n, (shape, _) in manifest.items()}, transport.expected_weights())
         except WeightSyncError as exc:
-            verdict = [str(exc)]
+            verdict = str(exc)
+    verdicts = [verdict]
     if dist.get_world_size() > 1:  # every rank must stop together, or the others hang in the stream
-        dist.broadcast_object_list(verdict, src=sender_rank)
-    if verdict[0] is not None:
-        raise WeightSyncError(verdict[0])
+        verdicts = [None] * dist.get_world_size()
+        dist.all_gather_object(verdicts, verdict)
+    refused = next((v for v in verdicts if v is not None), None)
+    if refused is not None:
+        raise WeightSyncError(refused)
     total = buckets = biggest = 0
     in_transport = 0.0
     try:
@@ -170,6 +181,8 @@ def sync_weights(actor_engine, transport: Transport | None, bucket_mb: float, se
     if is_sender:
         sent = time.perf_counter()
         transport.finish()
+        if version is not None:
+            transport.served_version = version
         in_transport += time.perf_counter() - sent
         return SyncStats(time.perf_counter() - start, total, buckets, biggest, in_transport)
     return None

@@ -28,6 +28,29 @@ def rlf_train(tmp_path, run: str, *overrides, timeout=900):
                           timeout=timeout)
 
 
+def torchrun_train(tmp_path, run: str, nproc: int, *overrides, timeout=900):
+    """`torchrun --nproc-per-node N -m rlfactory_megatron.cli.train` (data-parallel ranks)."""
+    from rlfactory_megatron.runtime.launch_env import free_port
+
+    args = [*SMALL, f"trainer.output_dir={tmp_path / run}", *overrides]
+    command = [str(BIN / "torchrun"), "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
+               "-m", "rlfactory_megatron.cli.train", *args]
+    return subprocess.run(command, capture_output=True, text=True, env=env_for(tmp_path), timeout=timeout)
+
+
+def stored_trajectories(run_dir: Path) -> dict[tuple[int, str], tuple]:
+    """(step, sample id) -> (prompt ids, response ids, loss mask, reward) over all of a run's rollout shards."""
+    from rlfactory_megatron.envs.storage import RolloutStore
+
+    out = {}
+    with RolloutStore(run_dir / "cache" / "rollouts", readonly=True) as store:
+        for step in store.steps():
+            for r in store.read_step(step):
+                assert (step, r.sample_id) not in out, f"step {step} sample {r.sample_id} stored twice"
+                out[step, r.sample_id] = (r.prompt_ids.tolist(), r.response_ids.tolist(), r.loss_mask.tolist(), r.reward)
+    return out
+
+
 def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -1,0 +1,434 @@
+"""The rollout side of a step, on every inference group: one engine per `rollout.tp` training
+ranks (colocated), a step's prompts split across them, the agent loop with tools on each engine's
+process, each process scoring and storing its own rows, and the gather that gives every rank the
+step's rows in one order: the order one engine would have produced them in. Seeds come from (run
+seed, step, row), so a run's samples do not depend on how many engines generate them.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from rlfactory_megatron.actor.batch import RolloutBatch
+from rlfactory_megatron.trainer.data import PromptRecord
+from rlfactory_megatron.trainer.tasks import TASKS
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """Which training ranks own an engine: the first of each group of `rollout_tp` ranks."""
+
+    world: int
+    rollout_tp: int
+    rank: int
+
+    @property
+    def num_engines(self) -> int:
+        return self.world // self.rollout_tp
+
+    @property
+    def engine_index(self) -> int | None:
+        """This rank's engine, or None when another rank of its group owns it."""
+        return self.rank // self.rollout_tp if self.rank % self.rollout_tp == 0 else None
+
+    @property
+    def owners(self) -> list[int]:
+        return [engine * self.rollout_tp for engine in range(self.num_engines)]
+
+    def share(self, count: int, engine: int) -> range:
+        """The contiguous part of `count` prompts that `engine` generates."""
+        n = self.num_engines
+        return range(engine * count // n, (engine + 1) * count // n)
+
+
+@dataclass
+class RowData:
+    """What the other ranks need of one trajectory (its turns, tool calls and text stay where it was made)."""
+
+    row: int
+    prompt_ids: np.ndarray
+    response_ids: np.ndarray
+    loss_mask: np.ndarray
+    log_probs: np.ndarray  # the engine's, of the generated tokens (0 on observation tokens)
+    turns: int
+    tool_calls: int
+
+
+@dataclass
+class Rollouts:
+    """One rollout phase as every rank sees it: all rows in order, plus what this process made."""
+
+    rows: list[RowData]
+    records: list[PromptRecord]  # one per row (a prompt repeated n times)
+    group_size: int
+    engine_stats: list[dict[str, float]]  # one per engine
+    local: dict[int, tuple[Any, str]] = field(default_factory=dict)  # row -> (Trajectory, response text)
+    reward_future: Any = None  # this process's rows being scored
+    reward: Any = None  # RewardResult of all rows, once gathered
+    extra_stats: dict[str, float] = field(default_factory=dict)  # e.g. dynamic sampling's refill counts
+
+    @property
+    def batch(self) -> RolloutBatch:
+        ids = [np.concatenate([r.prompt_ids, r.response_ids]).tolist() for r in self.rows]
+        masks = [[0] * len(r.prompt_ids) + r.loss_mask.tolist() for r in self.rows]
+        return pad_rows(ids, masks, self.group_size)
+
+    def engine_log_probs(self, shape: torch.Size) -> torch.Tensor:
+        """[B, T] of the engine's log-probs, aligned to the batch's tokens."""
+        out = torch.zeros(shape)
+        for i, r in enumerate(self.rows):
+            start = len(r.prompt_ids)
+            out[i, start:start + len(r.log_probs)] = torch.from_numpy(r.log_probs.astype(np.float32))
+        return out
+
+    def stats(self) -> dict[str, float]:
+        calls = sum(r.tool_calls for r in self.rows)
+        metrics = {"rollout/response_tokens_mean": float(np.mean([len(r.response_ids) for r in self.rows])),
+                   "rollout/turns_mean": float(np.mean([r.turns for r in self.rows])),
+                   "rollout/tool_calls_per_sample": calls / len(self.rows),
+                   "rollout/num_engines": float(len(self.engine_stats))}
+        for index, engine in enumerate(self.engine_stats):
+            metrics.update({f"rollout/engine_{index}_{k}": v for k, v in engine.items()})
+        busy = [e["busy_s"] for e in self.engine_stats]
+        metrics["rollout/engine_imbalance"] = max(busy) / max(float(np.mean(busy)), 1e-9) if max(busy) > 0 else 1.0
+        metrics.update(self.extra_stats)
+        return metrics
+
+    @staticmethod
+    def of_rows(parts: list[tuple["Rollouts", list[int]]]) -> "Rollouts":
+        """The given rows of one or more rollouts, in order, as one (rows renumbered from 0)."""
+        from rlfactory_megatron.rewards.records import RewardResult
+
+        rows, records, local, rewards = [], [], {}, []
+        for part, picked in parts:
+            for index in picked:
+                position = len(rows)
+                source = part.rows[index]
+                rows.append(RowData(position, *(getattr(source, f) for f in
+                                                ("prompt_ids", "response_ids", "loss_mask", "log_probs", "turns", "tool_calls"))))
+                records.append(part.records[index])
+                if source.row in part.local:
+                    local[position] = part.local[source.row]
+                rewards.append((part.reward, index))
+        engines = [{k: sum(p.engine_stats[e][k] for p, _ in parts) for k in parts[0][0].engine_stats[e]}
+                   for e in range(len(parts[0][0].engine_stats))]
+        reward = RewardResult([r.scores[i] for r, i in rewards], [r.response_lengths[i] for r, i in rewards],
+                              [r.extras[i] for r, i in rewards], [r.errors[i] for r, i in rewards])
+        return Rollouts(rows, records, parts[0][0].group_size, engines, local, reward=reward)
+
+
+def pad_rows(ids_list: list[list[int]], masks: list[list[int]], group_size: int = 1) -> RolloutBatch:
+    width = max(len(ids) for ids in ids_list)
+    ids = torch.zeros(len(ids_list), width, dtype=torch.long)
+    mask = torch.zeros(len(ids_list), width)
+    for row, (seq, m) in enumerate(zip(ids_list, masks)):
+        ids[row, : len(seq)] = torch.tensor(seq)
+        mask[row, : len(m)] = torch.tensor(m, dtype=torch.float32)
+    lengths = torch.tensor([len(seq) for seq in ids_list])
+    groups = torch.arange(len(ids_list)) // group_size
+    return RolloutBatch(ids, lengths, mask, group_ids=groups)
+
+
+class RolloutPlane:
+    """Engines, tools, rewards and the rollout store of this process (when it owns an engine), and
+    the collectives that make one step's rollouts out of every engine's. Every method is called
+    on every training rank."""
+
+    def __init__(self, cfg, hf_dir: str, tokenizer, output: Path) -> None:
+        from rlfactory_megatron.envs.tool_manager import get_tool_manager
+
+        self.cfg, self.hf_dir, self.tokenizer, self.output = cfg, hf_dir, tokenizer, output
+        self.layout = EngineLayout(dist.get_world_size(), cfg.rollout.tp, dist.get_rank())
+        # Python objects travel over gloo whatever the training backend (NCCL moves only device tensors).
+        self.cpu_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        # Every rank creates the owners' group (torch requires it), only owners use it.
+        self.owner_group = (dist.new_group(ranks=self.layout.owners, backend="gloo")
+                            if self.layout.num_engines < self.layout.world else self.cpu_group)
+        self.engine = self.async_engine = self.transport = self.tool_pool = self.reward_pool = None
+        self.rollout_store = self.artifacts = None
+        self.tool_schemas: list[dict] | None = None
+        self.manager = get_tool_manager(cfg.tools.format, tokenizer)
+        self._loop = asyncio.new_event_loop()
+        ray_join = self.broadcast(self._start_ray() if self.layout.rank == 0 else None)
+        if self.layout.engine_index is not None:
+            self._start_services(*ray_join)
+
+    # ------------------------------------------------------------------ set-up
+    def broadcast(self, obj: Any) -> Any:
+        box = [obj]
+        if self.layout.world > 1:
+            dist.broadcast_object_list(box, src=0, group=self.cpu_group)
+        return box[0]
+
+    def _gather(self, obj: Any) -> list[Any]:
+        if self.layout.world == 1:
+            return [obj]
+        out: list[Any] = [None] * self.layout.world
+        dist.all_gather_object(out, obj, group=self.cpu_group)
+        return out
+
+    def _start_ray(self) -> tuple[str, dict[str, str]]:
+        """Rank 0: one Ray per job, the sbatch script's (RAY_ADDRESS) or a local one started here
+        with enough logical CPUs for every engine process's tool and reward actors at once.
+        Returns what the other engine processes need to join it: its address and the variables
+        of its token authentication (on by default for a local cluster since Ray 2.59)."""
+        import ray
+
+        if not ray.is_initialized():
+            address = os.environ.get("RAY_ADDRESS")
+            per_engine = self.cfg.tools.num_workers + self.cfg.reward.num_workers
+            needed = per_engine * self.layout.num_engines + 1
+            ray.init(address=address, num_cpus=None if address else max(needed, os.cpu_count() or 2),
+                     include_dashboard=False, log_to_driver=False)
+        auth = {}
+        if os.environ.get("RAY_AUTH_MODE") == "token":
+            token = os.environ.get("RAY_AUTH_TOKEN")
+            if not token:
+                path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+                token = path.read_text().strip() if path.is_file() else None
+            auth = {"RAY_AUTH_MODE": "token", **({"RAY_AUTH_TOKEN": token} if token else {})}
+        return ray.get_runtime_context().gcs_address, auth
+
+    def _start_services(self, ray_address: str, ray_auth: dict[str, str]) -> None:
+        # Before anything imports Ray (vLLM does): Ray reads its authentication mode once.
+        for key, value in ray_auth.items():
+            os.environ.setdefault(key, value)
+        import ray
+
+        from rlfactory_megatron.rewards import RewardFnSpec
+        from rlfactory_megatron.rewards.pool import RewardPool
+        from rlfactory_megatron.rollout.async_engine import AsyncBatchingEngine
+        from rlfactory_megatron.rollout.engines import build_engine
+        from rlfactory_megatron.rollout.weight_sync import TRANSPORTS
+
+        cfg = self.cfg
+        with _engine_devices(self.layout):
+            self.engine = build_engine(cfg.rollout.engine, self.hf_dir, dtype=cfg.model.params_dtype,
+                                       tensor_parallel_size=cfg.rollout.tp,
+                                       max_model_len=cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens,
+                                       memory_utilization=cfg.rollout.gpu_memory_utilization, seed=cfg.trainer.seed,
+                                       enable_sleep_mode=torch.cuda.is_available())
+        self.async_engine = AsyncBatchingEngine(self.engine)
+        self.transport = TRANSPORTS.get(cfg.weight_sync.transport)(self.engine)
+        if cfg.cache.enable:
+            self._open_cache()
+        if not ray.is_initialized():
+            ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
+        if cfg.tools.enable:
+            self._start_tool_pool()
+        self.reward_pool = RewardPool(cfg.reward.manager, RewardFnSpec.from_config(cfg.reward),
+                                      manager_options=dict(cfg.reward.manager_options),
+                                      num_workers=cfg.reward.num_workers, sample_timeout_s=cfg.reward.timeout_s)
+
+    def _cache_topology(self):
+        """One shard per engine process: the training topology when every rank owns an engine,
+        else the owners' group alone."""
+        from rlfactory_megatron.envs.storage.topology import Topology, detect_topology
+
+        if self.layout.num_engines == self.layout.world:
+            return detect_topology()
+
+        def allgather(obj: Any) -> list[Any]:
+            out: list[Any] = [None] * self.layout.num_engines
+            dist.all_gather_object(out, obj, group=self.owner_group)
+            return out
+
+        return Topology(rank=self.layout.engine_index, world=self.layout.num_engines, backend="torch",
+                        allgather=allgather)
+
+    def _open_cache(self) -> None:
+        """The run's HDF5 cache (cache.dir, default <output_dir>/cache): every step's trajectories
+        as trained on, and the tool artifacts the tool pool answers repeated calls from; one shard
+        per engine process."""
+        from rlfactory_megatron.envs.storage import RolloutStore, ToolArtifactCache
+
+        root = Path(self.cfg.cache.dir or self.output / "cache")
+        topology = self._cache_topology()
+        self.rollout_store = RolloutStore(root / "rollouts", topology=topology)
+        self.artifacts = ToolArtifactCache(root / "tool_artifacts", topology=topology,
+                                           max_bytes=self.cfg.cache.tool_cache_max_mb << 20,
+                                           ttl_s=self.cfg.cache.tool_cache_ttl_s)
+
+    def _start_tool_pool(self) -> None:
+        from rlfactory_megatron.envs.tool_pool import ToolPool, ToolPoolConfig
+
+        cfg = self.cfg.tools
+        tools = cfg.config_path or [dict(tool) for tool in TASKS.get(self.cfg.trainer.task).tools]
+        pool_cfg = ToolPoolConfig.from_dict({"tools": tools, "num_actors": cfg.num_workers,
+                                             "max_concurrency": cfg.max_concurrency, "call_timeout_s": cfg.call_timeout_s,
+                                             "channel": cfg.channel})
+        self.tool_pool = ToolPool(pool_cfg, self.artifacts)
+        self.tool_schemas = self._loop.run_until_complete(self.tool_pool.start())
+
+    # ------------------------------------------------------------------ a rollout phase
+    def rollout(self, records: list[PromptRecord], step: int, greedy: bool = False, first_row: int = 0) -> Rollouts:
+        """n trajectories per prompt (1 when greedy), each engine generating its share of the
+        prompts; the rows of this process are submitted for scoring at once. `first_row` numbers
+        the rows for their sampling seeds (refills must not repeat a step's earlier samples)."""
+        n = 1 if greedy else self.cfg.rollout.n
+        mine: list[int] = []
+        if self.layout.engine_index is not None:
+            share = self.layout.share(len(records), self.layout.engine_index)
+            mine = [i * n + k for i in share for k in range(n)]
+        local, rows, engine = self._generate(records, mine, n, step, greedy, first_row)
+        gathered = [part for part in self._gather((rows, engine)) if part[1] is not None]
+        all_rows = sorted((row for part, _ in gathered for row in part), key=lambda r: r.row)
+        rollouts = Rollouts(all_rows, [records[i // n] for i in range(len(records) * n)], n,
+                            [stats for _, stats in gathered], local)
+        if local:
+            rollouts.reward_future = self.reward_pool.submit(self._reward_samples(rollouts, sorted(local)))
+        return rollouts
+
+    def _generate(self, records, mine: list[int], n: int, step: int, greedy: bool, first_row: int):
+        if self.layout.engine_index is None:
+            return {}, [], None
+        from rlfactory_megatron.envs.agent_loop import AgentLoopConfig, run_agent_loop
+
+        cfg = self.cfg
+        loop_cfg = AgentLoopConfig(max_turns=cfg.tools.max_turns if cfg.tools.enable else 1,
+                                   max_response_tokens=cfg.rollout.max_response_tokens,
+                                   tool_response_max_tokens=cfg.tools.tool_response_max_tokens)
+        sampling = {"temperature": 0.0 if greedy else cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
+                    "top_k": cfg.rollout.top_k, "max_tokens": cfg.rollout.max_response_tokens,
+                    "stop": list(cfg.rollout.stop), "stop_token_ids": self.stop_token_ids()}
+        prompts = {i: self.manager.render_prompt(records[i].messages, self.tool_schemas)[-cfg.rollout.max_prompt_tokens:]
+                   for i in sorted({row // n for row in mine})}
+        run_tool = self.tool_pool.call if self.tool_pool is not None else None
+
+        async def all_samples():
+            jobs = [run_agent_loop(prompts[row // n], self.async_engine, self.manager, run_tool,
+                                   sampling if greedy else {**sampling, "seed": self.sample_seed(step, first_row + row)},
+                                   loop_cfg)
+                    for row in mine]
+            return await asyncio.gather(*jobs)
+
+        requests, busy = self.async_engine.requests, self.async_engine.busy_s
+        trajectories = self._loop.run_until_complete(all_samples())
+        local, rows = {}, []
+        for row, traj in zip(mine, trajectories):
+            text = self.tokenizer.decode([t for t, m in zip(traj.response_ids, traj.loss_mask) if m])
+            local[row] = (traj, text)
+            rows.append(RowData(row, np.asarray(traj.prompt_ids, dtype=np.int64),
+                                np.asarray(traj.response_ids, dtype=np.int64), np.asarray(traj.loss_mask, dtype=np.int8),
+                                np.asarray(traj.logprobs, dtype=np.float32), len(traj.turns),
+                                sum(len(turn.tool_calls) for turn in traj.turns)))
+        engine = {"requests": float(self.async_engine.requests - requests),
+                  "generated_tokens": float(sum(int(r.loss_mask.sum()) for r in rows)),
+                  "busy_s": self.async_engine.busy_s - busy,
+                  "weight_version": float(self.transport.served_version)}
+        return local, rows, engine
+
+    def rewards(self, rollouts: Rollouts):
+        """Every row's reward (each process scored its own rows), on every rank."""
+        from rlfactory_megatron.rewards.records import RewardResult
+
+        if rollouts.reward is not None:
+            return rollouts.reward
+        mine = sorted(rollouts.local)
+        result = rollouts.reward_future.result() if rollouts.reward_future is not None else None
+        part = (mine, result) if result is not None else ([], None)
+        by_row: dict[int, tuple] = {}
+        for rows, res in self._gather(part):
+            for i, row in enumerate(rows):
+                by_row[row] = (res.scores[i], res.response_lengths[i], res.extras[i], res.errors[i])
+        ordered = [by_row[r.row] for r in rollouts.rows]
+        rollouts.reward = RewardResult(*(list(column) for column in zip(*ordered)))
+        return rollouts.reward
+
+    def _reward_samples(self, rollouts: Rollouts, rows: list[int]):
+        from rlfactory_megatron.rewards import RewardSample
+
+        return [RewardSample(rollouts.records[row].data_source, rollouts.local[row][1], rollouts.records[row].ground_truth,
+                             response_length=len(rollouts.local[row][0].response_ids)) for row in rows]
+
+    def record(self, rollouts: Rollouts, batch: RolloutBatch, step: int) -> None:
+        """Each engine process writes the rows it produced, as trained on, to its own shard (one
+        flushed batch), then the artifact cache's step-boundary sync among the engine processes."""
+        if self.rollout_store is None:
+            return
+        from rlfactory_megatron.envs.storage import RolloutRecord
+
+        reward, out = rollouts.reward, []
+        for row in sorted(rollouts.local):
+            traj, _ = rollouts.local[row]
+            record = rollouts.records[row]
+            start, count = len(traj.prompt_ids), len(traj.response_ids)
+            calls = [{"turn": t, "name": c.name, "arguments": c.arguments, "observation": c.observation,
+                      "is_error": c.is_error, "latency_s": c.latency_s}
+                     for t, turn in enumerate(traj.turns) for c in turn.tool_calls]
+            out.append(RolloutRecord(
+                step, f"{row:05d}", np.asarray(traj.prompt_ids), np.asarray(traj.response_ids),
+                np.asarray(traj.loss_mask), np.asarray(traj.logprobs),
+                batch.advantages[row, start:start + count].numpy(), float(reward.scores[row]), calls,
+                {"data_source": record.data_source, "ground_truth": str(record.ground_truth),
+                 "group": row // rollouts.group_size, "stop_reason": traj.stop_reason, "turns": len(traj.turns),
+                 "reward_error": reward.errors[row]}))
+        self.rollout_store.write(out)
+        if self.artifacts is not None:
+            self.artifacts.sync()
+
+    # ------------------------------------------------------------------ weights
+    def sync(self, actor_engine, version: int) -> None:
+        """The actor's weights into every engine in one collective sync."""
+        from rlfactory_megatron.rollout.weight_sync import sync_weights
+
+        sync_weights(actor_engine, self.transport, self.cfg.weight_sync.bucket_mb, version=version)
+
+    def sleep(self) -> None:
+        """Free the engines' device memory for training (a no-op on CPU)."""
+        if self.engine is not None:
+            self.engine.sleep()
+
+    def wake_up(self) -> None:
+        if self.engine is not None:
+            self.engine.wake_up()
+
+    # ------------------------------------------------------------------ helpers
+    def sample_seed(self, step: int, row: int) -> int:
+        """The sampling seed of one trajectory, from (run seed, step, row): a resumed run draws the
+        same samples as an uninterrupted one, however many engines and batches serve them."""
+        return int(np.random.SeedSequence([self.cfg.trainer.seed, step, row]).generate_state(1)[0] >> 1)
+
+    def stop_token_ids(self) -> list[int]:
+        # The engine has no tokenizer and so no EOS: end-of-turn tokens must be given explicitly.
+        return [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+
+    def close(self) -> None:
+        if self.engine is None:
+            return
+        self._loop.run_until_complete(self.async_engine.close())  # its batching task ends with the loop
+        if self.tool_pool is not None:
+            self._loop.run_until_complete(self.tool_pool.close())
+        self.reward_pool.shutdown()
+        self.engine.close()
+        for store in (self.rollout_store, self.artifacts):
+            if store is not None:
+                store.close()
+
+
+@contextlib.contextmanager
+def _engine_devices(layout: EngineLayout):
+    """On GPU, the engine's processes see the devices of its group's ranks (local ranks
+    rank..rank+rollout_tp-1 of this node); on CPU nothing changes."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    local = int(os.environ.get("LOCAL_RANK", layout.rank))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices[local:local + layout.rollout_tp])
+    try:
+        yield
+    finally:
+        if visible is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible

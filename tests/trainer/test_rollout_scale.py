@@ -1,0 +1,60 @@
+"""An engine on every inference group: a 2-rank run generates on 2 engines, each writes its own
+rollout shard, every engine serves the actor's weights after each sync, and a run's samples do
+not depend on how many engines generate them."""
+import math
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from rlf_train_cli import TIMING_KEYS, records, rlf_train, stored_trajectories, torchrun_train  # noqa: E402
+
+# mini_batch_size=2: several optimizer steps per RL step, so the trainer computes old log-probs
+# and the engines' log-probs are compared with them (rollout/logprob_gap_max) at every step.
+RUN = ("trainer.total_steps=3", "trainer.save_every=0", "actor.mini_batch_size=2", "trainer.val_every=3")
+LAYOUT_KEYS = ("rollout/engine_", "rollout/num_engines")
+
+
+def _assert_every_engine_generated(run_records, engines: int):
+    for record in run_records[1:]:
+        assert record["rollout/num_engines"] == engines
+        for engine in range(engines):
+            assert record[f"rollout/engine_{engine}_generated_tokens"] > 0
+            assert record[f"rollout/engine_{engine}_requests"] >= 2
+            assert record[f"rollout/engine_{engine}_weight_version"] == record["step"] - 1
+        assert record["rollout/engine_imbalance"] >= 1.0
+        assert record["rollout/logprob_gap_max"] <= 1e-4  # every engine serves the actor's weights
+
+
+def test_two_data_parallel_engines_make_the_samples_one_engine_makes(tmp_path):
+    one = rlf_train(tmp_path, "one", *RUN)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = torchrun_train(tmp_path, "two", 2, *RUN)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "step 3/3 | reward" in two.stdout
+    first, second = records(tmp_path / "one"), records(tmp_path / "two")
+    _assert_every_engine_generated(first, 1)
+    _assert_every_engine_generated(second, 2)
+    # One shard per engine process, and together they hold each trained trajectory once.
+    shards = sorted(p.name for p in (tmp_path / "two" / "cache" / "rollouts").iterdir())
+    assert shards == ["shard-00000-of-00002.h5", "shard-00001-of-00002.h5"]
+    alone, together = stored_trajectories(tmp_path / "one"), stored_trajectories(tmp_path / "two")
+    assert sorted(together) == sorted(alone) == [(s, f"{r:05d}") for s in (1, 2, 3) for r in range(4)]
+    assert together == alone  # the same token ids, masks and rewards
+    assert [r["step"] for r in second] == [r["step"] for r in first] == [0, 1, 2, 3]
+    for mine, theirs in zip(second, first):
+        compared = {k for k in theirs if not any(t in k for t in TIMING_KEYS + LAYOUT_KEYS)}
+        assert compared <= set(mine)
+        for key in compared:  # DP's gradient all-reduce sums in another order: rounding differs
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), (mine["step"], key)
+
+
+@pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.pp=2"])
+def test_two_engines_fed_by_one_model_parallel_group(tmp_path, layout):
+    out = rlf_train(tmp_path, "run", layout, *RUN)
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = records(tmp_path / "run")
+    _assert_every_engine_generated(run, 2)
+    assert all(math.isfinite(r["actor/pg_loss"]) for r in run[1:])
+    assert len(list((tmp_path / "run" / "cache" / "rollouts").iterdir())) == 2
