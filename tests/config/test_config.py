@@ -1,6 +1,5 @@
 """Configuration: defaults, YAML + dotted overrides, and errors that name the key and the fix."""
 import pytest
-from omegaconf import OmegaConf
 
 from rlfactory_megatron.config import ConfigError, load_config, validate_against_model
 from rlfactory_megatron.models.hf_arch import arch_from_hf_config
@@ -46,7 +45,7 @@ ARCH = arch_from_hf_config({"model_type": "qwen3", "num_hidden_layers": 6, "hidd
     (1, 3, 2, 3, "parallel.pp\\*vpp=6"),
 ])
 def test_inconsistent_parallel_sizes_are_rejected(tp, pp, vpp, world, message):
-    cfg = OmegaConf.create({"parallel": {"tp": tp, "pp": pp, "vpp": vpp}})
+    cfg = load_config(overrides=[f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.vpp={vpp or 'null'}"])
     if vpp == 2 and pp == 3:  # 3*2 = 6 divides 6 layers: a valid layout
         validate_against_model(cfg, ARCH, world)
         return
@@ -85,3 +84,27 @@ def test_unknown_builtin_task_is_named():
     with pytest.raises(ConfigError, match="trainer.task='nope' is not a built-in task; choose one of: calculator"):
         load_config(None, ["trainer.task=nope"])
     assert load_config(None, ["trainer.task=nope", "trainer.data_path=x.jsonl"]).trainer.task == "nope"
+
+
+@pytest.mark.parametrize("overrides,world,message", [
+    (["rollout.tp=2"], 1, "rollout.tp=2 does not divide the world of 1 rank\\(s\\): colocated mode runs one engine "
+                          "per rollout.tp ranks; use rollout.tp in \\{1\\}"),
+    (["rollout.tp=4", "parallel.tp=2"], 2, "rollout.tp=4 does not divide the world of 2"),
+    (["rollout.tp=3"], 4, "use rollout.tp in \\{1, 2, 4\\}"),
+])
+def test_engine_layouts_that_do_not_fit_the_world_are_rejected(overrides, world, message):
+    with pytest.raises(ConfigError, match=message):
+        validate_against_model(load_config(overrides=overrides), ARCH, world)
+    validate_against_model(load_config(overrides=["rollout.tp=2"]), ARCH, 4)  # 2 engines of 2 ranks
+
+
+@pytest.mark.parametrize("override,message", [
+    ("weight_sync.transport=broadcast", "weight_sync.transport='broadcast' cannot feed rollout.mode='colocated' "
+                                        "engines; use in_process"),
+    ("weight_sync.transport=nccl", "weight_sync.transport='nccl' is not allowed; choose one of: in_process, broadcast"),
+    ("rollout.engine=sglang", "rollout.engine='sglang' is not allowed; choose one of: vllm"),
+    ("rollout.mode=remote", "rollout.mode='remote' is not allowed; choose one of: colocated"),
+])
+def test_engine_transport_and_mode_come_from_their_registries(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=[override])

@@ -11,8 +11,8 @@ BIN = Path(sys.executable).parent
 SMALL = ["trainer.prompts_per_step=2", "rollout.n=2", "rollout.max_response_tokens=48", "trainer.val_every=2",
          "trainer.val_prompts=2", "trainer.save_every=2", "trainer.sft_steps=2", "trainer.sft_batch_size=4",
          "tools.num_workers=1"]
-# Wall-clock measurements differ between any two runs; everything else must not.
-TIMING_KEYS = ("time/", "perf/", "tokens_per_s")
+# Wall-clock measurements (and the engines' busy-time ratio) differ between any two runs; everything else must not.
+TIMING_KEYS = ("time/", "perf/", "tokens_per_s", "_busy_s", "engine_imbalance")
 
 
 def env_for(tmp_path):

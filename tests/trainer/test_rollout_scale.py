@@ -8,7 +8,8 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from rlf_train_cli import TIMING_KEYS, records, rlf_train, stored_trajectories, torchrun_train  # noqa: E402
+from rlf_train_cli import (  # noqa: E402
+    TIMING_KEYS, kill_after_checkpoint, records, rlf_train, stored_trajectories, torchrun_train)
 
 # mini_batch_size=2: several optimizer steps per RL step, so the trainer computes old log-probs
 # and the engines' log-probs are compared with them (rollout/logprob_gap_max) at every step.
@@ -58,3 +59,20 @@ def test_two_engines_fed_by_one_model_parallel_group(tmp_path, layout):
     _assert_every_engine_generated(run, 2)
     assert all(math.isfinite(r["actor/pg_loss"]) for r in run[1:])
     assert len(list((tmp_path / "run" / "cache" / "rollouts").iterdir())) == 2
+
+
+def test_a_killed_two_engine_run_resumes_exactly(tmp_path):
+    steps = ("trainer.total_steps=4", "trainer.save_every=2", "parallel.tp=2", "actor.mini_batch_size=2",
+             "trainer.val_every=0")
+    full = rlf_train(tmp_path, "full", *steps)
+    assert full.returncode == 0, full.stderr[-3000:]
+    kill_after_checkpoint(tmp_path, "killed", "step_000002", *steps)
+    resumed = rlf_train(tmp_path, "killed", *steps)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "step_000002 at step 2" in resumed.stdout
+    uninterrupted, after = records(tmp_path / "full"), records(tmp_path / "killed")
+    assert [r["step"] for r in after] == [r["step"] for r in uninterrupted] == [1, 2, 3, 4]
+    for mine, theirs in zip(after, uninterrupted):
+        for key in (k for k in theirs if not any(t in k for t in TIMING_KEYS)):
+            assert mine[key] == theirs[key], (mine["step"], key)
+    assert stored_trajectories(tmp_path / "killed") == stored_trajectories(tmp_path / "full")
