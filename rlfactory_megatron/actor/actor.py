@@ -85,6 +85,22 @@ def mini_batches(batch: RolloutBatch, size: int) -> list[RolloutBatch]:
     return [batch.select(list(range(i, min(i + size, batch.batch_size)))) for i in range(0, batch.batch_size, size)]
 
 
+def policy_loss_options(actor_cfg) -> dict[str, float]:
+    """The clip settings the user set (those differing from the schema's defaults): a loss
+    variant's own defaults (GSPO's 3e-4/4e-4 bounds, dual-clip's c, clip-higher's 0.28) hold for
+    the keys left alone."""
+    from rlfactory_megatron.config.schema import ActorConfig
+
+    defaults = ActorConfig()
+    options = {}
+    for option, key in (("clip_low", "clip_ratio_low"), ("clip_high", "clip_ratio_high"), ("clip_ratio_c", "clip_ratio_c")):
+        if getattr(actor_cfg, key) != getattr(defaults, key):
+            options[option] = getattr(actor_cfg, key)
+    if "clip_ratio_c" in options and actor_cfg.policy_loss != "dual-clip":
+        del options["clip_ratio_c"]  # only dual-clip has the lower bound c
+    return options
+
+
 class PolicyModel:
     """Log-probs (+ entropy) of a causal LM over packed micro-batches; the actor and the reference.
 
@@ -157,6 +173,7 @@ class Actor(PolicyModel):
         agg = _agg_options(plan, cfg.loss_agg_mode, self.norm_length)
         on_policy = mini.old_log_probs is None  # see updates_on_policy
         need_entropy = cfg.entropy_coeff != 0.0 or on_policy  # on-policy: also the step's entropy metric
+        clip = policy_loss_options(cfg)
 
         def loss_fn(mb: PackedMicroBatch, output: torch.Tensor):
             if not mb.rows:  # a padding-only micro-batch of a DP rank with fewer cuts
@@ -167,11 +184,8 @@ class Actor(PolicyModel):
             mask = take(mini.loss_mask)
             out = self._token_outputs(mb, output, need_entropy)
             old_log_probs = out["log_probs"].detach() if on_policy else take(mini.old_log_probs)
-            policy = compute_policy_loss(
-                cfg.policy_loss, out["log_probs"], old_log_probs, take(mini.advantages),
-                mask, clip_low=cfg.clip_ratio_low, clip_high=cfg.clip_ratio_high,
-                clip_ratio_c=cfg.clip_ratio_c if cfg.policy_loss == "dual-clip" else None,
-                agg_mode=cfg.loss_agg_mode, **agg)
+            policy = compute_policy_loss(cfg.policy_loss, out["log_probs"], old_log_probs, take(mini.advantages),
+                                         mask, agg_mode=cfg.loss_agg_mode, **clip, **agg)
             loss = policy.loss
             metrics = {f"actor/{k}": v for k, v in policy.metrics.items()}
             metrics["actor/pg_loss"] = policy.loss.detach()

@@ -32,16 +32,17 @@ ALGORITHM_PRESETS: dict[str, AlgorithmPreset] = {
 
 
 def apply_preset(cfg) -> tuple[AlgorithmPreset, list[str]]:
-    """The preset of `cfg.trainer.algorithm`, with its implied settings written into `cfg`;
-    returns the `key=value` strings it applied (for the start-up log)."""
+    """The preset of `cfg.trainer.algorithm`, with its policy loss and implied settings written
+    into `cfg` where the user left the key at its schema default (so
+    `trainer.algorithm=grpo actor.policy_loss=dual-clip` trains with dual-clip); returns the
+    `key=value` strings it applied (for the start-up log)."""
     from rlfactory_megatron.config.schema import RLFConfig
 
     preset = ALGORITHM_PRESETS[cfg.trainer.algorithm]
     schema = OmegaConf.structured(RLFConfig)
     applied = []
     with open_dict(cfg):
-        cfg.actor.policy_loss = preset.policy_loss
-        for key, value in preset.implied:
+        for key, value in (("actor.policy_loss", preset.policy_loss), *preset.implied):
             current = OmegaConf.select(cfg, key)
             if current == OmegaConf.select(schema, key) and current != value:
                 OmegaConf.update(cfg, key, value)

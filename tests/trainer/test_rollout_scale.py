@@ -53,10 +53,12 @@ def test_two_data_parallel_engines_make_the_samples_one_engine_makes(tmp_path):
 
 @pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.pp=2"])
 def test_two_engines_fed_by_one_model_parallel_group(tmp_path, layout):
-    out = rlf_train(tmp_path, "run", layout, *RUN)
+    # A loss the user names wins over the algorithm's (grpo's is ppo).
+    out = rlf_train(tmp_path, "run", layout, *RUN, "actor.policy_loss=dual-clip")
     assert out.returncode == 0, out.stderr[-3000:]
     run = records(tmp_path / "run")
     _assert_every_engine_generated(run, 2)
+    assert all("actor/dual_clip_frac" in r for r in run[1:])
     assert all(math.isfinite(r["actor/pg_loss"]) for r in run[1:])
     assert len(list((tmp_path / "run" / "cache" / "rollouts").iterdir())) == 2
 
