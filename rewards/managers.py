@@ -20,6 +20,8 @@ def _no_progress(indices: list[int]) -> None:
 class RewardManager:
     """Turns a batch of samples into a RewardResult; `close()` frees what it holds."""
 
+    batched = False  # its reward function takes whole batches (lists), not one sample
+
     def __call__(self, samples: list[RewardSample], on_start: ProgressHook = _no_progress) -> RewardResult:
         raise NotImplementedError
 
@@ -43,6 +45,8 @@ class NaiveRewardManager(RewardManager):
 
 class BatchRewardManager(RewardManager):
     """One call of a batched reward function for the whole batch (for functions that vectorize or call a service)."""
+
+    batched = True
 
     def __init__(self, function: RewardFnSpec) -> None:
         self.fn = load_reward_fn(function, batched=True)
@@ -120,14 +124,25 @@ REWARD_MANAGERS: dict[str, type[RewardManager]] = {
 
 def build_reward_manager(name: str, function: RewardFnSpec | None = None, **options: object) -> RewardManager:
     """The manager registered as `name` (config `reward.manager`) with `options` (`reward.manager_options`)."""
+    cls = _checked_manager(name, function or RewardFnSpec(), options)
+    return cls(function or RewardFnSpec(), **options)
+
+
+def check_reward_config(name: str, function: RewardFnSpec, options: dict) -> None:
+    """Everything about the reward settings that can be known without scoring: the manager and
+    its options, the scorer, the custom function (imported) and its signature. Starts nothing."""
+    cls = _checked_manager(name, function, options)
+    load_reward_fn(function, batched=cls.batched)
+
+
+def _checked_manager(name: str, function: RewardFnSpec, options: dict) -> type:
     if name not in REWARD_MANAGERS:
         raise RewardConfigError(f"reward.manager: unknown {name!r}; choose one of {', '.join(REWARD_MANAGERS)}")
     cls = REWARD_MANAGERS[name]
-    function = function or RewardFnSpec()
     try:
         inspect.signature(cls).bind(function, **options)
     except TypeError as exc:
         raise RewardConfigError(
             f"reward.manager_options: {exc} for the {name!r} manager, which takes {inspect.signature(cls)}"
         ) from None
-    return cls(function, **options)
+    return cls

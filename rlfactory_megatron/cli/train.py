@@ -18,13 +18,22 @@ def _train_rank(config_file: str, hf_dir: str) -> dict:
     cfg = load_config(config_file)
     init_distributed(ParallelSizes(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp), seed=cfg.trainer.seed)
     trainer = None
+    failed = True
     try:
         trainer = Trainer(cfg, hf_dir)
-        return trainer.fit()
+        result = trainer.fit()
+        failed = False
+        return result
     finally:
-        if trainer is not None:
-            trainer.close()
-        destroy_distributed()
+        try:
+            if trainer is not None:
+                trainer.close()
+            destroy_distributed()
+        except Exception as exc:
+            if not failed:
+                raise
+            # The run's own error is what the user must read last, not a teardown's consequence of it.
+            print(f"rlf-train: (tearing down after the error: {type(exc).__name__}: {exc})", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

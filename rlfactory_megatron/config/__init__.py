@@ -10,22 +10,39 @@ from omegaconf.errors import OmegaConfBaseException
 from rlfactory_megatron.config.schema import RLFConfig
 
 DEFAULT_CONFIG = Path(__file__).with_name("default.yaml")
-# Closed sets of values, checked with a message that lists the allowed ones.
+# Closed sets of values that no registry holds, checked with a message that lists the allowed ones.
 CHOICES: dict[str, tuple] = {
     "model.params_dtype": ("float32", "bfloat16", "float16"),
     "model.layer_spec": ("auto", "local_sdpa", "local", "transformer_engine"),
     "actor.optim.lr_decay_style": ("constant", "linear", "cosine"),
     "critic.optim.lr_decay_style": ("constant", "linear", "cosine"),
     "rollout.mode": ("colocated",),
-    "tools.format": ("qwen3", "qwen2_5", "llama3"),
     "tools.channel": ("auto", "unix", "tcp"),
-    "trainer.algorithm": ("ppo", "grpo", "dapo", "gspo", "reinforce_pp", "rloo"),
-    "actor.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
 }
 POSITIVE_INTS = ("parallel.tp", "parallel.pp", "rollout.n", "rollout.tp", "actor.ppo_epochs",
                  "actor.mini_batch_size", "actor.max_tokens_per_microbatch", "trainer.total_steps",
                  "trainer.prompts_per_step", "weight_sync.bucket_mb", "tools.max_turns", "trainer.sft_batch_size",
-                 "trainer.max_skipped_updates")
+                 "trainer.max_skipped_updates", "rollout.max_prompt_tokens", "rollout.max_response_tokens",
+                 "tools.tool_response_max_tokens", "tools.num_workers", "tools.max_concurrency", "reward.num_workers",
+                 "critic.ppo_epochs", "trainer.keep_last", "trainer.val_prompts", "cache.tool_cache_max_mb")
+NON_NEGATIVE = ("trainer.save_every", "trainer.val_every", "trainer.sft_steps", "trainer.max_refill_rounds",
+                "actor.optim.warmup_steps", "critic.optim.warmup_steps", "actor.optim.min_lr", "critic.optim.min_lr",
+                "actor.optim.weight_decay", "critic.optim.weight_decay", "actor.optim.clip_grad",
+                "critic.optim.clip_grad", "actor.kl_loss_coef", "actor.clip_ratio_low", "actor.clip_ratio_high")
+POSITIVE = ("actor.optim.lr", "critic.optim.lr", "trainer.sft_lr", "actor.optim.adam_eps", "critic.optim.adam_eps",
+            "reward.timeout_s", "tools.call_timeout_s", "critic.cliprange_value")
+# Keys whose allowed values are a registry's names: a new entry is allowed as soon as it registers.
+def _registries() -> dict[str, object]:
+    from rlfactory_megatron.algorithms.aggregation import LOSS_AGGREGATIONS
+    from rlfactory_megatron.algorithms.kl import KL_PENALTIES
+    from rlfactory_megatron.algorithms.policy_losses import POLICY_LOSSES
+    from rlfactory_megatron.envs.tool_manager import TOOL_FORMATS
+    from rlfactory_megatron.rewards import REWARD_MANAGERS
+    from rlfactory_megatron.trainer.presets import ALGORITHM_PRESETS
+
+    return {"trainer.algorithm": ALGORITHM_PRESETS, "actor.policy_loss": POLICY_LOSSES,
+            "actor.kl_penalty": KL_PENALTIES, "actor.loss_agg_mode": LOSS_AGGREGATIONS,
+            "tools.format": TOOL_FORMATS, "reward.manager": REWARD_MANAGERS}
 
 
 class ConfigError(ValueError):
@@ -40,7 +57,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         if path is not None:
             if not Path(path).is_file():
                 raise ConfigError(f"config file '{path}' does not exist")
-            cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
+            cfg = OmegaConf.merge(cfg, _load_yaml(path))
         for item in overrides:
             if "=" not in item:
                 raise ConfigError(f"override '{item}' must look like key=value (e.g. actor.optim.lr=1e-6)")
@@ -49,6 +66,19 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         raise ConfigError(_explain(exc)) from None
     validate_static(cfg)
     return cfg
+
+
+def _load_yaml(path: str | Path):
+    """A YAML file as a config node; a syntax error names the file, line and column."""
+    import yaml
+
+    try:
+        return OmegaConf.load(path)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{where}: YAML syntax error: {problem}; fix the file's syntax") from None
 
 
 def _explain(exc: OmegaConfBaseException) -> str:
@@ -75,10 +105,17 @@ def validate_static(cfg) -> None:
         value = OmegaConf.select(cfg, key)
         if value not in allowed:
             raise ConfigError(f"{key}='{value}' is not allowed; choose one of: {', '.join(allowed)}")
-    for key in POSITIVE_INTS:
+    for key, registry in _registries().items():
         value = OmegaConf.select(cfg, key)
-        if value < 1:
-            raise ConfigError(f"{key}={value} must be >= 1")
+        if value not in registry:
+            raise ConfigError(f"{key}='{value}' is not allowed; choose one of: {', '.join(registry)}")
+    for keys, ok, rule in ((POSITIVE_INTS, lambda v: v >= 1, ">= 1"), (NON_NEGATIVE, lambda v: v >= 0, ">= 0"),
+                           (POSITIVE, lambda v: v > 0, "> 0")):
+        for key in keys:
+            value = OmegaConf.select(cfg, key)
+            if not ok(value):
+                raise ConfigError(f"{key}={value} must be {rule}")
+    _check_ranges(cfg)
     # Checked here, not at the first generate after minutes of set-up and SFT; the trainer's
     # log-probs are of the same tempered distribution.
     if not cfg.rollout.temperature >= 0:
@@ -94,6 +131,45 @@ def validate_static(cfg) -> None:
     _validate_rollout(cfg)
     if cfg.parallel.vpp is not None and cfg.parallel.pp < 2:
         raise ConfigError(f"parallel.vpp={cfg.parallel.vpp} needs parallel.pp >= 2 (or set parallel.vpp=null)")
+    _check_rewards_and_tools(cfg)
+
+
+def _check_ranges(cfg) -> None:
+    for section in ("actor", "critic"):
+        optim = cfg[section].optim
+        for beta in ("adam_beta1", "adam_beta2"):
+            if not 0 <= optim[beta] < 1:
+                raise ConfigError(f"{section}.optim.{beta}={optim[beta]} must be in [0, 1)")
+        if optim.min_lr > optim.lr:
+            raise ConfigError(f"{section}.optim.min_lr={optim.min_lr} must not exceed {section}.optim.lr={optim.lr}")
+    if not cfg.actor.clip_ratio_c > 1:
+        raise ConfigError(f"actor.clip_ratio_c={cfg.actor.clip_ratio_c} must be > 1 (dual-clip's lower bound is -c * A)")
+    if not 0 < cfg.rollout.gpu_memory_utilization <= 1:
+        raise ConfigError(f"rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization} must be in (0, 1]")
+
+
+def _check_rewards_and_tools(cfg) -> None:
+    """The reward function (imported, signature checked) and the tools YAML's classes and
+    params: failing here costs nothing, failing in the run comes after the model and engines."""
+    from rlfactory_megatron.envs.tools.registry import check_tool_specs, load_tool_specs
+    from rlfactory_megatron.rewards import RewardFnSpec
+    from rlfactory_megatron.rewards.managers import check_reward_config
+
+    try:
+        check_reward_config(cfg.reward.manager, RewardFnSpec.from_config(cfg.reward),
+                            dict(cfg.reward.manager_options))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if cfg.tools.enable and cfg.tools.config_path:
+        path = cfg.tools.config_path
+        if not Path(path).is_file():
+            raise ConfigError(f"tools.config_path='{path}' does not exist; give a YAML file with a 'tools:' list")
+        try:
+            check_tool_specs(load_tool_specs(path), f"tools.config_path={path}")
+        except ConfigError:
+            raise
+        except Exception as exc:  # a YAML or schema error of the tools file
+            raise ConfigError(f"tools.config_path={path}: {str(exc).splitlines()[0]}") from None
 
 
 # Which weight-sync transports each rollout mode can use: a colocated engine lives in a training

@@ -1,0 +1,118 @@
+"""Bad configurations through the real `rlf-train`: each exits 2 within seconds, before any model,
+Ray or vLLM starts, with one last line that names the key (or file) and no traceback."""
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from rlf_train_cli import BIN, env_for  # noqa: E402
+
+REWARD_FN = "def compute_score(data_source, solution_str, ground_truth, extra_info):\n    return 1.0\n"
+WRONG_SIGNATURE = "def compute_score(text):\n    return 1.0\n"
+
+
+def files(root: Path) -> dict[str, str]:
+    """Files the cases refer to, by placeholder."""
+    made = {
+        "BAD_YAML": "actor:\n  optim: [lr: 1\n",
+        "BAD_KEY_YAML": "actor:\n  lrr: 1\n",
+        "TOOLS_UNKNOWN": "tools:\n  - class: calculatorr\n",
+        "TOOLS_BAD_PARAM": "tools:\n  - class: python\n    params: {cpu_seconds: 3}\n",
+        "TOOLS_NOT_LIST": "tools: calculator\n",
+        "TOOLS_BAD_SYNTAX": "tools:\n  - class: [calculator\n",
+        "TOOLS_BAD_IMPORT": "tools:\n  - class: no_such_module.Tool\n",
+        "REWARD_OK": REWARD_FN,
+        "REWARD_WRONG_SIGNATURE": WRONG_SIGNATURE,
+        "REWARD_SYNTAX": "def compute_score(:\n",
+        "REWARD_RAISES_ON_IMPORT": "raise RuntimeError('boom at import')\n",
+    }
+    out = {}
+    for name, text in made.items():
+        path = root / (name.lower() + (".py" if name.startswith("REWARD") else ".yaml"))
+        path.write_text(text)
+        out[name] = str(path)
+    return out
+
+
+# (arguments, what the last line must contain)
+CASES = [
+    (["trainer.algorithm=ppo3"], "trainer.algorithm='ppo3' is not allowed"),
+    (["actor.policy_loss=clipp"], "actor.policy_loss='clipp' is not allowed"),
+    (["actor.kl_penalty=k9"], "actor.kl_penalty='k9' is not allowed"),
+    (["actor.loss_agg_mode=sum"], "actor.loss_agg_mode='sum' is not allowed"),
+    (["tools.format=mistral"], "tools.format='mistral' is not allowed"),
+    (["tools.channel=pipe"], "tools.channel='pipe' is not allowed"),
+    (["reward.manager=fancy"], "reward.manager='fancy' is not allowed"),
+    (["reward.scorer=gsm9k"], "reward.scorer: unknown 'gsm9k'"),
+    (["reward.manager_options={foo: 1}"], "reward.manager_options"),
+    (["weight_sync.transport=nccl"], "weight_sync.transport='nccl' is not allowed"),
+    (["weight_sync.transport=broadcast"], "weight_sync.transport='broadcast' cannot feed rollout.mode='colocated'"),
+    (["rollout.engine=sglang"], "rollout.engine='sglang' is not allowed"),
+    (["rollout.mode=remote"], "rollout.mode='remote' is not allowed"),
+    (["rollout.tp=2"], "rollout.tp=2 does not divide the world of 1"),
+    (["rollout.max_response_tokens=0"], "rollout.max_response_tokens=0 must be >= 1"),
+    (["rollout.max_prompt_tokens=-3"], "rollout.max_prompt_tokens=-3 must be >= 1"),
+    (["rollout.temperature=-1"], "rollout.temperature=-1.0 must be >= 0"),
+    (["rollout.top_p=1.5"], "rollout.top_p=1.5 must be in (0, 1]"),
+    (["rollout.gpu_memory_utilization=0"], "rollout.gpu_memory_utilization=0.0 must be in (0, 1]"),
+    (["actor.optim.lr=-1"], "actor.optim.lr=-1.0 must be > 0"),
+    (["critic.optim.lr=0"], "critic.optim.lr=0.0 must be > 0"),
+    (["actor.optim.adam_beta2=1.0"], "actor.optim.adam_beta2=1.0 must be in [0, 1)"),
+    (["actor.optim.min_lr=1"], "actor.optim.min_lr=1.0 must not exceed actor.optim.lr"),
+    (["actor.clip_ratio_c=0.5"], "actor.clip_ratio_c=0.5 must be > 1"),
+    (["actor.mini_batch_size=0"], "actor.mini_batch_size=0 must be >= 1"),
+    (["reward.timeout_s=0"], "reward.timeout_s=0.0 must be > 0"),
+    (["trainer.save_every=-1"], "trainer.save_every=-1 must be >= 0"),
+    (["trainer.task=chess"], "trainer.task='chess' is not a built-in task"),
+    (["parallel.tp=3"], "parallel.tp=3 does not divide the model's"),
+    (["parallel.vpp=2"], "parallel.vpp=2 needs parallel.pp >= 2"),
+    (["parallel.tp=two"], "invalid value for config key 'parallel.tp'"),
+    (["actor.lrr=1"], "unknown config key 'actor.lrr'"),
+    (["actor.optim.lr"], "must look like key=value"),
+    (["--config", "BAD_YAML"], "bad_yaml.yaml:3:1: YAML syntax error"),
+    (["--config", "BAD_KEY_YAML"], "unknown config key 'actor.lrr'"),
+    (["--config", "/nonexistent/run.yaml"], "config file '/nonexistent/run.yaml' does not exist"),
+    (["tools.config_path=TOOLS_UNKNOWN"], "unknown tool class 'calculatorr'"),
+    (["tools.config_path=TOOLS_BAD_PARAM"], "(python).params: got an unexpected keyword argument 'cpu_seconds'"),
+    (["tools.config_path=TOOLS_NOT_LIST"], "tool config must be a list under 'tools:'"),
+    (["tools.config_path=TOOLS_BAD_SYNTAX"], "tools.config_path="),
+    (["tools.config_path=TOOLS_BAD_IMPORT"], "tool class 'no_such_module.Tool' cannot be imported"),
+    (["tools.config_path=/nonexistent/tools.yaml"], "tools.config_path='/nonexistent/tools.yaml' does not exist"),
+    (["reward.custom_function_path=REWARD_WRONG_SIGNATURE"], "reward.custom_function_name: compute_score(text)"),
+    (["reward.custom_function_path=REWARD_OK", "reward.custom_function_name=score"], "reward.custom_function_name"),
+    (["reward.custom_function_path=REWARD_SYNTAX"], "reward.custom_function_path"),
+    (["reward.custom_function_path=REWARD_RAISES_ON_IMPORT"], "reward.custom_function_path"),
+    (["reward.custom_function_path=/nonexistent/reward.py"], "reward.custom_function_path: no file at"),
+    (["model.path=/nonexistent/model"], "/nonexistent/model"),
+]
+
+
+def test_every_bad_config_is_refused_at_once_with_the_key_named(tmp_path):
+    paths = files(tmp_path)
+
+    def run(case):
+        args, _ = case
+        args = [next((v for k, v in paths.items() if a == k), a) for a in args]
+        args = [a.split("=", 1)[0] + "=" + paths[a.split("=", 1)[1]] if "=" in a and a.split("=", 1)[1] in paths else a
+                for a in args]
+        start = time.monotonic()
+        out = subprocess.run([str(BIN / "rlf-train"), f"trainer.output_dir={tmp_path / 'out'}", *args],
+                             capture_output=True, text=True, env=env_for(tmp_path), timeout=120)
+        return out, time.monotonic() - start
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(run, CASES))
+    assert len(CASES) >= 30
+    for (args, expected), (out, seconds) in zip(CASES, results):
+        lines = [line for line in out.stderr.splitlines() if line.strip()]
+        assert out.returncode == 2, (args, out.returncode, out.stderr[-2000:])
+        assert lines and lines[-1].startswith("rlf-train: error: ") and expected in lines[-1], (args, lines[-3:])
+        assert "Traceback" not in out.stderr + out.stdout, (args, out.stderr[-2000:])
+        assert seconds < 10, (args, seconds)
+    assert not (tmp_path / "out").exists()  # refused before any work, also the output folder
