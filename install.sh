@@ -17,6 +17,16 @@ for arg in "$@"; do
   esac
 done
 
+# Debian packages: bubblewrap, the python tool's filesystem sandbox (it refuses to run without).
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "install.sh: installing Debian's bubblewrap"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null
+  else
+    echo "install.sh: bubblewrap (bwrap) is missing; install it (e.g. sudo apt-get install bubblewrap), else the python tool refuses to run" >&2
+  fi
+fi
+
 PY=${PYTHON:-python3}
 VENV=${RLF_VENV:-.venv}
 stamp_file="$VENV/.rlf-install-stamp"

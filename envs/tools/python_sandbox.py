@@ -1,5 +1,6 @@
-"""`python`: run model-written code in a limited child process (CPU, memory, processes, output, wall time,
-a scratch cwd removed afterwards, scrubbed env, no network where the OS allows it)."""
+"""`python`: run model-written code in a limited child process: a filesystem sandbox (bubblewrap:
+the interpreter and standard library read-only, a size-capped scratch cwd and a private /tmp, nothing
+else of the host), CPU, memory, processes, output, wall time, scrubbed env, no network."""
 from __future__ import annotations
 
 import asyncio
@@ -19,6 +20,7 @@ from rlfactory_megatron.envs.tools.base import BaseTool, ToolResult
 from rlfactory_megatron.envs.tools.registry import register_tool
 
 _SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
+_SCRATCH = "/scratch"  # the program's cwd inside the filesystem sandbox
 _OUTPUT_MARKER = "\n...[output truncated at {limit} bytes]"
 
 
@@ -31,6 +33,11 @@ class SandboxSupport:
 
     namespaces: bool
     drop_privileges: bool
+    filesystem: str | None  # why bubblewrap cannot hide the host's files here, or None when it can
+
+    @property
+    def bwrap(self) -> str | None:
+        return shutil.which("bwrap") if self.filesystem is None else None
 
 
 @functools.lru_cache(maxsize=1)
@@ -41,7 +48,34 @@ def sandbox_support() -> SandboxSupport:
         probe = subprocess.run([unshare, "--net", "--pid", "--fork", "--kill-child", "true"], capture_output=True)
         namespaces = probe.returncode == 0
     drop = os.geteuid() == 0 and shutil.which("setpriv") is not None
-    return SandboxSupport(namespaces=namespaces, drop_privileges=drop)
+    return SandboxSupport(namespaces=namespaces, drop_privileges=drop, filesystem=_probe_bwrap(drop))
+
+
+def _probe_bwrap(drop_privileges: bool) -> str | None:
+    """None when bubblewrap runs a program here as the sandbox will (as an unused uid when we are
+    root), else what is missing."""
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        return "bubblewrap (`bwrap`) is not installed: apt-get install bubblewrap (./install.sh does)"
+    cmd = [bwrap, *_BWRAP_BASE, *_SYSTEM_MOUNTS, "/usr/bin/true"]
+    if drop_privileges:
+        cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--no-new-privs", "--", *cmd]
+    probe = subprocess.run(cmd, capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"bubblewrap cannot create its namespaces here ({probe.stderr.strip()[:200]})"
+    return None
+
+
+# Every namespace bubblewrap can make (network, PIDs, IPC, UTS, users, cgroups), killed with its
+# parent, its own terminal session (no keystrokes injected into ours).
+_BWRAP_BASE = ("--unshare-all", "--die-with-parent", "--new-session")
+# The host's /usr read-only (interpreter, standard library, shared libraries), with the merged-/usr links.
+_SYSTEM_MOUNTS = ("--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib",
+                  "--symlink", "usr/lib64", "/lib64")
+
+
+class SandboxUnavailableError(ValueError):
+    """The python tool cannot hide the host's files here and was not allowed to run without."""
 
 
 def _usable_by_others(path: str) -> bool:
@@ -80,18 +114,31 @@ class PythonTool(BaseTool):
         interpreter: str | None = None,
         sandbox_uid_base: int = 200_000,
         sandbox_uid_count: int = 1 << 20,
+        scratch_mb: int = 64,
+        allow_unsandboxed: bool = False,
     ):
         self.cpu_time_s, self.wall_timeout_s = cpu_time_s, wall_timeout_s
         self.memory_bytes, self.max_processes = memory_mb << 20, max_processes
         self.max_output_bytes, self.max_file_bytes = max_output_bytes, max_file_mb << 20
+        self.scratch_bytes = scratch_mb << 20
         self.support = sandbox_support()
-        self.isolate = isolate_network and self.support.namespaces
+        self.bwrap = self.support.bwrap
+        if self.bwrap is None and not allow_unsandboxed:
+            raise SandboxUnavailableError(
+                f"python tool: programs would see the host's files (datasets, checkpoints, source): "
+                f"{self.support.filesystem}; or set `allow_unsandboxed: true` in the tool's params")
+        # bubblewrap makes its own network namespace; without it `unshare` does, where permitted.
+        self.isolate = isolate_network and (self.bwrap is not None or self.support.namespaces)
         self.interpreter = interpreter or self._default_interpreter()
+        if self.bwrap is not None and not os.path.realpath(self.interpreter).startswith("/usr/"):
+            raise ValueError(f"python tool: interpreter {self.interpreter} is outside /usr, the only host folder "
+                             "the sandbox shows; use the system python3")
         # Inside a user namespace only mapped uids work: shrink the range to fit the map there.
         self.sandbox_uid_base, self.sandbox_uid_count = sandbox_uid_base, sandbox_uid_count
 
     def _default_interpreter(self) -> str:
-        if not self.support.drop_privileges or _usable_by_others(sys.executable):
+        inside_usr = os.path.realpath(sys.executable).startswith("/usr/")
+        if (self.bwrap is None or inside_usr) and (not self.support.drop_privileges or _usable_by_others(sys.executable)):
             return sys.executable
         # Our interpreter may live under a private home (/root): fall back to the system one.
         system = shutil.which("python3", path=_SYSTEM_PATH)
@@ -101,23 +148,36 @@ class PythonTool(BaseTool):
 
     def isolation(self) -> dict[str, bool]:
         return {
+            "filesystem": self.bwrap is not None,
             "network": self.isolate,
-            "pid_namespace": self.isolate,
+            "pid_namespace": self.isolate or self.bwrap is not None,
             "process_limit": self.support.drop_privileges,
         }
 
-    def _command(self, uid: int) -> list[str]:
-        cmd = ["unshare", "--net", "--pid", "--fork", "--kill-child"] if self.isolate else []
+    def _command(self, uid: int, scratch: str) -> list[str]:
         # Soft CPU limit first, so the program dies of SIGXCPU (nameable) before the hard SIGKILL.
         limits = [f"--cpu={self.cpu_time_s}:{self.cpu_time_s + 1}", f"--as={self.memory_bytes}", f"--fsize={self.max_file_bytes}", "--core=0"]
         if self.support.drop_privileges:
             limits.append(f"--nproc={self.max_processes}")
+        # Without bubblewrap, `unshare` makes the namespaces, as root, before privileges are dropped.
+        cmd = ["unshare", "--net", "--pid", "--fork", "--kill-child"] if self.isolate and self.bwrap is None else []
         cmd += ["prlimit", *limits, "--"]
         if self.support.drop_privileges:
             cmd += ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs", "--"]
+        if self.bwrap is not None:  # as the unprivileged uid, in a user namespace of its own
+            cmd += self._bwrap_args(scratch)
         # A shell in between reports a signal death as exit status 128+N: util-linux `unshare --fork`
         # turns it into a bare 1, and as PID 1 of the namespace the shell also reaps orphans.
         return cmd + ["/bin/sh", "-c", '"$@"; exit $?', "sh", self.interpreter, "-I", "-B", "main.py"]
+
+    def _bwrap_args(self, scratch: str) -> list[str]:
+        """The program's whole filesystem: /usr read-only (interpreter, standard library), its own
+        size-capped scratch (cwd, holding main.py read-only) and /tmp, fresh /proc and /dev."""
+        size = str(self.scratch_bytes)
+        net = [] if self.isolate else ["--share-net"]
+        return [self.bwrap, *_BWRAP_BASE, *net, *_SYSTEM_MOUNTS, "--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", "/tmp",
+                "--size", size, "--tmpfs", _SCRATCH, "--ro-bind", os.path.join(scratch, "main.py"),
+                f"{_SCRATCH}/main.py", "--remount-ro", "/", "--chdir", _SCRATCH, "--"]
 
     async def execute(self, args: dict[str, Any]) -> ToolResult:
         # A fresh uid per run gives each run its own process budget (RLIMIT_NPROC counts per uid).
@@ -129,7 +189,7 @@ class PythonTool(BaseTool):
             if self.support.drop_privileges:
                 os.chown(scratch, uid, uid)
                 os.chown(os.path.join(scratch, "main.py"), uid, uid)
-            output, exit_code, timed_out, truncated = await self._run(self._command(uid), scratch)
+            output, exit_code, timed_out, truncated = await self._run(self._command(uid, scratch), scratch)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         text = output.decode("utf-8", errors="replace")
@@ -146,7 +206,8 @@ class PythonTool(BaseTool):
     def _env(self, scratch: str) -> dict[str, str]:
         # Scrubbed: nothing of the trainer's environment (tokens, paths, RAY_*) reaches the code.
         threads = {k: "1" for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
-        return {"PATH": _SYSTEM_PATH, "HOME": scratch, "TMPDIR": scratch, "LANG": "C.UTF-8", **threads}
+        home = _SCRATCH if self.bwrap is not None else scratch
+        return {"PATH": _SYSTEM_PATH, "HOME": home, "TMPDIR": home, "LANG": "C.UTF-8", **threads}
 
     async def _run(self, cmd: list[str], scratch: str) -> tuple[bytes, int, bool, bool]:
         proc = await asyncio.create_subprocess_exec(

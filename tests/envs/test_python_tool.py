@@ -1,4 +1,5 @@
-"""The python tool's sandbox: scratch dir, CPU/wall/memory/process/output limits, scrubbed env, no network."""
+"""The python tool's sandbox: a filesystem that hides the host (bubblewrap), scratch dir, CPU/wall/
+memory/process/output limits, scrubbed env, no network; one test per escape attempt."""
 import asyncio
 import os
 import socket
@@ -16,11 +17,79 @@ def run(code, **limits):
 def test_runs_code_in_a_fresh_scratch_dir_removed_afterwards():
     code = "import os\nopen('out.txt', 'w').write('x')\nprint(os.getcwd())\nprint(sorted(os.listdir('.')))"
     first, second = run(code), run(code)
-    cwd = first.text.splitlines()[0]
-    assert not first.is_error and first.metadata["scratch_dir"] == cwd
-    assert first.text.splitlines()[1] == "['main.py', 'out.txt']"  # nothing left from other runs
-    assert second.text.splitlines()[0] != cwd
-    assert not os.path.exists(cwd) and not os.path.exists(second.metadata["scratch_dir"])
+    assert not first.is_error and first.text.splitlines()[0] == "/scratch"
+    assert first.text.splitlines()[1] == second.text.splitlines()[1] == "['main.py', 'out.txt']"  # nothing left from other runs
+    assert first.metadata["scratch_dir"] != second.metadata["scratch_dir"]
+    assert not os.path.exists(first.metadata["scratch_dir"]) and not os.path.exists(second.metadata["scratch_dir"])
+    assert first.metadata["isolation"] == {"filesystem": True, "network": True, "pid_namespace": True,
+                                           "process_limit": sandbox_support().drop_privileges}
+
+
+def test_cannot_read_a_world_readable_file_outside_its_scratch(tmp_path):
+    # As a training set is written: default umask, 0644, ground truth included.
+    secret = tmp_path / "data" / "train.jsonl"
+    secret.parent.mkdir()
+    secret.write_text('{"prompt": "2+2", "ground_truth": "4"}\n')
+    secret.chmod(0o644)
+    for folder in [p for p in secret.parents if str(p) != "/"]:
+        folder.chmod(folder.stat().st_mode | 0o005)  # searchable by anyone: only the sandbox stands in the way
+    result = run(f"print(open({str(secret)!r}).read())")
+    assert result.is_error and "FileNotFoundError" in result.text and "ground_truth" not in result.text
+
+
+def test_cannot_read_the_package_source_or_the_hosts_config():
+    import rlfactory_megatron
+
+    source = rlfactory_megatron.__file__
+    code = ("import os\n"
+            f"for path in [{source!r}, '/etc/passwd', '/root', '/work', '/home']:\n"
+            "    print(path, os.path.exists(path))\n")
+    result = run(code)
+    assert not result.is_error, result.text
+    assert all(line.endswith(" False") for line in result.text.splitlines()), result.text
+
+
+def test_cannot_write_outside_its_scratch(tmp_path):
+    target = tmp_path / "planted.txt"
+    code = ("import os\n"
+            f"for path in [{str(target)!r}, '/usr/planted.txt', '/planted.txt']:\n"
+            "    try:\n"
+            "        open(path, 'w').write('x')\n"
+            "        print(path, 'written')\n"
+            "    except OSError as exc:\n"
+            "        print(path, 'refused', type(exc).__name__)\n"
+            "open('/tmp/own.txt', 'w').write('x')\n"  # its private /tmp works, and is not the host's
+            "print('tmp', os.listdir('/tmp'))\n")
+    result = run(code)
+    lines = result.text.splitlines()
+    assert all(" refused " in line for line in lines[:3]), result.text
+    assert lines[3] == "tmp ['own.txt']"
+    assert not target.exists() and not os.path.exists("/usr/planted.txt") and not os.path.exists("/tmp/own.txt")
+
+
+def test_scratch_is_size_capped():
+    code = ("try:\n"
+            "    with open('big.bin', 'wb') as f:\n"
+            "        for _ in range(64):\n"
+            "            f.write(b'x' * (1 << 20))\n"
+            "    print('wrote all')\n"
+            "except OSError as exc:\n"
+            "    print('stopped', exc.errno)\n")
+    result = run(code, scratch_mb=8, max_file_mb=1024)
+    assert result.text.startswith("stopped 28"), result.text  # ENOSPC
+
+
+def test_refuses_to_run_unsandboxed_unless_allowed(monkeypatch):
+    # The host lacking bubblewrap is simulated (it is installed here): the tool must not fall back silently.
+    from rlfactory_megatron.envs.tools import python_sandbox
+
+    real = python_sandbox.sandbox_support()
+    missing = python_sandbox.SandboxSupport(real.namespaces, real.drop_privileges, "bubblewrap (`bwrap`) is not installed")
+    monkeypatch.setattr(python_sandbox, "sandbox_support", lambda: missing)
+    with pytest.raises(python_sandbox.SandboxUnavailableError, match="bwrap.*allow_unsandboxed: true"):
+        PythonTool()
+    result = asyncio.run(PythonTool(allow_unsandboxed=True).run({"code": "import os\nprint(os.path.exists('/etc'))"}))
+    assert result.text.strip() == "True" and result.metadata["isolation"]["filesystem"] is False
 
 
 def test_errors_are_reported_with_output():
