@@ -101,10 +101,11 @@ class RewardFuture:
     scores: list[float] = field(init=False)
     extras: list[dict] = field(init=False)
     errors: list[str | None] = field(init=False)
+    error_kinds: list[str | None] = field(init=False)
 
     def __post_init__(self) -> None:
         n = len(self.samples)
-        self.scores, self.extras, self.errors = [0.0] * n, [{}] * n, [None] * n
+        self.scores, self.extras, self.errors, self.error_kinds = [0.0] * n, [{}] * n, [None] * n, [None] * n
 
     def done(self) -> bool:
         """True when every job has finished (failures included) and `result()` would not wait on workers."""
@@ -129,28 +130,32 @@ class RewardFuture:
             if self.jobs:
                 self._check_progress(asked)
         lengths = [sample.response_length for sample in self.samples]
-        return RewardResult(self.scores[:], lengths, self.extras[:], self.errors[:])
+        return RewardResult(self.scores[:], lengths, self.extras[:], self.errors[:], self.error_kinds[:])
 
     def _finish(self, job: _Job) -> None:
         try:
             result = ray.get(job.ref)
         except RayActorError as exc:
-            self._worker_lost(job.worker, f"reward worker died ({type(exc).__name__}): reward code crashed or exited")
+            self._worker_lost(job.worker, f"reward worker died ({type(exc).__name__}): reward code crashed or exited",
+                              "crashed")
             return
         except RayError as exc:  # the manager itself failed on this job; the worker lives on
             self._drop(job)
-            self._split_or_fail(job.indices, f"reward manager failed: {type(exc).__name__}: {exc}")
+            self._split_or_fail(job.indices, f"reward manager failed: {type(exc).__name__}: {exc}", "raised")
             return
         self._drop(job)
-        self._store(job.indices, result.scores, result.extras, result.errors)
+        kinds = result.error_kinds or [None if e is None else "raised" for e in result.errors]
+        self._store(job.indices, result.scores, result.extras, result.errors, kinds)
 
-    def _store(self, indices: Sequence[int], scores: list[float], extras: list[dict], errors: list[str | None]) -> None:
+    def _store(self, indices: Sequence[int], scores: list[float], extras: list[dict], errors: list[str | None],
+               kinds: list[str | None]) -> None:
         if isinstance(indices, range):  # a first split of the batch: one slice per column
             span = slice(indices.start, indices.stop)
-            self.scores[span], self.extras[span], self.errors[span] = scores, extras, errors
+            self.scores[span], self.extras[span], self.errors[span], self.error_kinds[span] = scores, extras, errors, kinds
             return
         for local, index in enumerate(indices):
             self.scores[index], self.extras[index], self.errors[index] = scores[local], extras[local], errors[local]
+            self.error_kinds[index] = kinds[local]
 
     def _check_progress(self, asked: dict[ActorHandle, tuple[ray.ObjectRef, float]]) -> None:
         # A worker still starting up (new process, imports) is not silent, just not there yet.
@@ -169,7 +174,8 @@ class RewardFuture:
                 # No answer even from the control thread: the reward code holds the GIL (or the
                 # process is gone). Give it the timeout, then treat it as lost.
                 if now - sent > self.pool.sample_timeout_s:
-                    self._worker_lost(worker, f"reward worker unresponsive for {self.pool.sample_timeout_s:g}s")
+                    self._worker_lost(worker, f"reward worker unresponsive for {self.pool.sample_timeout_s:g}s",
+                                      "timeout")
                 continue
             del asked[worker]
             try:
@@ -192,9 +198,9 @@ class RewardFuture:
         rest = [i for i in job.indices if i not in stuck]
         if rest:
             self.queued.append(rest)
-        self._split_or_fail(stuck, f"timed out after {self.pool.sample_timeout_s:g}s per sample")
+        self._split_or_fail(stuck, f"timed out after {self.pool.sample_timeout_s:g}s per sample", "timeout")
 
-    def _worker_lost(self, worker: ActorHandle, reason: str) -> None:
+    def _worker_lost(self, worker: ActorHandle, reason: str, kind: str) -> None:
         """The worker died or wedged: a job that had it to itself is the culprit; others run again alone."""
         ours = [job for job in self.jobs if job.worker is worker]
         alone = worker not in self.pool._killed and len(ours) == 1 and self.pool._load(worker) == 1
@@ -202,15 +208,15 @@ class RewardFuture:
         for job in ours:
             self._drop(job)
             if alone:
-                self._split_or_fail(job.indices, reason)
+                self._split_or_fail(job.indices, reason, kind)
             else:
                 self.queued.append(job.indices)
 
-    def _split_or_fail(self, indices: Sequence[int], reason: str) -> None:
+    def _split_or_fail(self, indices: Sequence[int], reason: str, kind: str) -> None:
         """A single sample fails with `reason`; several are queued one by one to find the culprit."""
         if len(indices) == 1:
-            outcome = failed(indices[0], reason)
-            self._store(indices, [outcome.score], [outcome.extra], [outcome.error])
+            outcome = failed(indices[0], reason, kind)
+            self._store(indices, [outcome.score], [outcome.extra], [outcome.error], [outcome.error_kind])
         else:
             self.queued.extend([index] for index in indices)
 

@@ -89,10 +89,10 @@ class ScoringProcesses:
             )
         if worker.job is not None:
             if worker.process.is_alive():
-                reason = f"timed out after {self.timeout_s:g}s"
+                reason, kind = f"timed out after {self.timeout_s:g}s", "timeout"
             else:
-                reason = f"worker process died (exit code {worker.process.exitcode})"
-            results[worker.job] = failed(worker.job, reason)
+                reason, kind = f"worker process died (exit code {worker.process.exitcode})", "crashed"
+            results[worker.job] = failed(worker.job, reason, kind)
         self._stop(worker, graceful=False)
         return self._start()
 

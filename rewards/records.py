@@ -17,6 +17,11 @@ class RewardSample:
     extra_info: dict = field(default_factory=dict)
 
 
+# Why a sample's reward failed: its function raised, returned no finite number, ran past its
+# timeout, or took its worker down.
+ERROR_KINDS = ("raised", "invalid", "timeout", "crashed")
+
+
 @dataclass
 class SampleScore:
     """The outcome of scoring one sample; `error` is set when the reward function failed."""
@@ -24,6 +29,7 @@ class SampleScore:
     score: float
     extra: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    error_kind: str | None = None  # one of ERROR_KINDS when `error` is set
 
 
 @dataclass
@@ -34,6 +40,7 @@ class RewardResult:
     response_lengths: list[int]
     extras: list[dict[str, float]]
     errors: list[str | None]
+    error_kinds: list[str | None] = field(default_factory=list)  # per sample, when errors were classified
 
     @classmethod
     def from_scores(cls, samples: list[RewardSample], outcomes: list[SampleScore]) -> "RewardResult":
@@ -42,6 +49,7 @@ class RewardResult:
             response_lengths=[s.response_length for s in samples],
             extras=[o.extra for o in outcomes],
             errors=[o.error for o in outcomes],
+            error_kinds=[o.error_kind for o in outcomes],
         )
 
     def token_level(self, width: int) -> "torch.Tensor":
@@ -63,4 +71,6 @@ class RewardResult:
                     columns.setdefault(key, []).append(float(value))
         metrics = {f"{prefix}/{key}/mean": sum(v) / len(v) for key, v in columns.items() if v}
         metrics[f"{prefix}/errors"] = float(sum(e is not None for e in self.errors))
+        for kind in ERROR_KINDS:
+            metrics[f"{prefix}/errors/{kind}"] = float(sum(k == kind for k in self.error_kinds))
         return metrics

@@ -10,6 +10,10 @@ from rlfactory_megatron.rewards.records import RewardSample, SampleScore
 logger = logging.getLogger(__name__)
 
 
+class InvalidReward(ValueError):
+    """A reward function returned something that is not a finite number."""
+
+
 def to_sample_score(value: Any) -> SampleScore:
     """A reward function's return value (a number, or a dict with "score" and extras) as a SampleScore.
 
@@ -22,17 +26,25 @@ def to_sample_score(value: Any) -> SampleScore:
         extra = {k: v for k, v in value.items() if k != "score"}
         value = value["score"]
     if isinstance(value, (str, bytes)):
-        raise TypeError(f"reward must be a number, got the {type(value).__name__} {value!r:.60}")
-    score = float(value)
+        raise InvalidReward(f"reward must be a number, got the {type(value).__name__} {value!r:.60}")
+    try:
+        score = float(value)
+    except (TypeError, ValueError) as exc:
+        raise InvalidReward(f"reward must be a number, got {type(value).__name__}: {exc}") from None
     if not math.isfinite(score):
-        raise ValueError(f"reward must be finite, got {score}")
+        raise InvalidReward(f"reward must be finite, got {score}")
     return SampleScore(score=score, extra=extra)
 
 
-def failed(sample_index: int, error: str) -> SampleScore:
-    """The outcome of a sample whose reward function failed: 0 reward, error logged and kept."""
+def failed(sample_index: int, error: str, kind: str = "raised") -> SampleScore:
+    """The outcome of a sample whose reward function failed: 0 reward, error (and its kind, one of
+    records.ERROR_KINDS) logged and kept."""
     logger.error("reward for sample %d failed: %s", sample_index, error)
-    return SampleScore(score=0.0, error=error)
+    return SampleScore(score=0.0, error=error, error_kind=kind)
+
+
+def _kind(exc: BaseException) -> str:
+    return "invalid" if isinstance(exc, InvalidReward) else "raised"
 
 
 def describe(exc: BaseException) -> str:
@@ -54,7 +66,7 @@ def score_one(fn: Callable[..., Any], sample: RewardSample, index: int) -> Sampl
             )
         )
     except Exception as exc:  # user code: any failure is that sample's, never the batch's
-        return failed(index, describe(exc))
+        return failed(index, describe(exc), _kind(exc))
 
 
 def score_batch(fn: Callable[..., Any], samples: list[RewardSample]) -> list[SampleScore]:
@@ -79,4 +91,4 @@ def _checked(value: Any, index: int) -> SampleScore:
     try:
         return to_sample_score(value)
     except Exception as exc:
-        return failed(index, describe(exc))
+        return failed(index, describe(exc), _kind(exc))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +61,24 @@ class RowData:
     log_probs: np.ndarray  # the engine's, of the generated tokens (0 on observation tokens)
     turns: int
     tool_calls: int
+    tool_errors: dict[str, int] = field(default_factory=dict)  # failed calls by error_kind; parse errors as "malformed_call"
+
+
+# Tool failures counted per kind in the metrics (tools/errors/<kind>); others count as "other".
+TOOL_ERROR_KINDS = ("malformed_call", "unknown_tool", "invalid_arguments", "exception", "timeout", "actor_died")
+
+
+def _tool_errors(traj) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for turn in traj.turns:
+        if turn.parse_errors:
+            counts["malformed_call"] = counts.get("malformed_call", 0) + len(turn.parse_errors)
+        for call in turn.tool_calls:
+            if call.is_error:
+                kind = call.metadata.get("error_kind")
+                kind = kind if kind in TOOL_ERROR_KINDS else "other"
+                counts[kind] = counts.get(kind, 0) + 1
+    return counts
 
 
 @dataclass
@@ -95,6 +114,9 @@ class Rollouts:
                    "rollout/turns_mean": float(np.mean([r.turns for r in self.rows])),
                    "rollout/tool_calls_per_sample": calls / len(self.rows),
                    "rollout/num_engines": float(len(self.engine_stats))}
+        for kind in (*TOOL_ERROR_KINDS, "other"):
+            metrics[f"tools/errors/{kind}"] = float(sum(r.tool_errors.get(kind, 0) for r in self.rows))
+        metrics["tools/errors"] = sum(metrics[f"tools/errors/{kind}"] for kind in (*TOOL_ERROR_KINDS, "other"))
         for index, engine in enumerate(self.engine_stats):
             metrics.update({f"rollout/engine_{index}_{k}": v for k, v in engine.items()})
         busy = [e["busy_s"] for e in self.engine_stats]
@@ -112,8 +134,7 @@ class Rollouts:
             for index in picked:
                 position = len(rows)
                 source = part.rows[index]
-                rows.append(RowData(position, *(getattr(source, f) for f in
-                                                ("prompt_ids", "response_ids", "loss_mask", "log_probs", "turns", "tool_calls"))))
+                rows.append(dataclasses.replace(source, row=position))
                 records.append(part.records[index])
                 if source.row in part.local:
                     local[position] = part.local[source.row]
@@ -121,7 +142,8 @@ class Rollouts:
         engines = [{k: sum(p.engine_stats[e][k] for p, _ in parts) for k in parts[0][0].engine_stats[e]}
                    for e in range(len(parts[0][0].engine_stats))]
         reward = RewardResult([r.scores[i] for r, i in rewards], [r.response_lengths[i] for r, i in rewards],
-                              [r.extras[i] for r, i in rewards], [r.errors[i] for r, i in rewards])
+                              [r.extras[i] for r, i in rewards], [r.errors[i] for r, i in rewards],
+                              [r.error_kinds[i] for r, i in rewards])
         return Rollouts(rows, records, parts[0][0].group_size, engines, local, reward=reward)
 
 
@@ -319,7 +341,7 @@ class RolloutPlane:
             rows.append(RowData(row, np.asarray(traj.prompt_ids, dtype=np.int64),
                                 np.asarray(traj.response_ids, dtype=np.int64), np.asarray(traj.loss_mask, dtype=np.int8),
                                 np.asarray(traj.logprobs, dtype=np.float32), len(traj.turns),
-                                sum(len(turn.tool_calls) for turn in traj.turns)))
+                                sum(len(turn.tool_calls) for turn in traj.turns), _tool_errors(traj)))
         engine = {"requests": float(self.async_engine.requests - requests),
                   "generated_tokens": float(sum(int(r.loss_mask.sum()) for r in rows)),
                   "busy_s": self.async_engine.busy_s - busy,
@@ -338,7 +360,7 @@ class RolloutPlane:
         by_row: dict[int, tuple] = {}
         for rows, res in self._gather(part):
             for i, row in enumerate(rows):
-                by_row[row] = (res.scores[i], res.response_lengths[i], res.extras[i], res.errors[i])
+                by_row[row] = (res.scores[i], res.response_lengths[i], res.extras[i], res.errors[i], res.error_kinds[i])
         ordered = [by_row[r.row] for r in rollouts.rows]
         rollouts.reward = RewardResult(*(list(column) for column in zip(*ordered)))
         return rollouts.reward

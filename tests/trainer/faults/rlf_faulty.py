@@ -1,0 +1,53 @@
+"""A calculator tool and a reward function that misbehave at random, in every way a real one can:
+for the fault test through the real `rlf-train` (Ray workers import this module by name)."""
+import asyncio
+import math
+import os
+import random
+import time
+
+from rlfactory_megatron.envs.tools import ToolResult
+from rlfactory_megatron.envs.tools.calculator import CalculatorTool
+from rlfactory_megatron.rewards.scorers import get_scorer
+
+TOOL_FAULTS = ("raise", "hang", "block", "huge", "exit", "surrogates", "ok", "ok", "ok")
+REWARD_FAULTS = ("raise", "hang", "exit", "nan", "inf", "string", "ok", "ok", "ok", "ok", "ok", "ok")
+_rng = random.Random(os.getpid() ^ int(time.time() * 1e6))
+
+
+class FaultyCalculator(CalculatorTool):
+    """The calculator (same name and schema, so the policy calls it) with a fault on most calls."""
+
+    async def execute(self, args):
+        fault = _rng.choice(TOOL_FAULTS)
+        if fault == "raise":
+            raise RuntimeError("calculator exploded")
+        if fault == "hang":
+            await asyncio.sleep(3600)
+        if fault == "block":
+            time.sleep(3)  # blocks the actor's event loop
+        if fault == "huge":
+            return ToolResult("9" * (4 << 20))
+        if fault == "exit":
+            os._exit(3)
+        result = await super().execute(args)
+        if fault == "surrogates":
+            return ToolResult(result.text + b" \xff\xfe".decode("utf-8", "surrogateescape") + "\ud800")
+        return result
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info):
+    fault = _rng.choice(REWARD_FAULTS)
+    if fault == "raise":
+        raise ValueError("reward exploded")
+    if fault == "hang":
+        time.sleep(3600)
+    if fault == "exit":
+        os._exit(4)
+    if fault == "nan":
+        return math.nan
+    if fault == "inf":
+        return -math.inf
+    if fault == "string":
+        return "1.0"
+    return get_scorer("gsm8k")(solution_str, ground_truth)

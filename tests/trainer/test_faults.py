@@ -1,0 +1,38 @@
+"""Faults through the real `rlf-train`: a calculator tool and a reward function that fail at
+random in every way (raise, hang, block, 4 MB output, exit the worker, lone surrogates; NaN, inf,
+a string, hang, exit) cost their samples, never the run or the weights."""
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(__file__))
+from rlf_train_cli import BIN, env_for, records  # noqa: E402
+
+FAULTS = Path(__file__).parent / "faults"
+
+
+def test_a_run_with_faulty_tools_and_rewards_trains_to_the_end(tmp_path):
+    tools = tmp_path / "tools.yaml"
+    tools.write_text("tools:\n  - class: rlf_faulty.FaultyCalculator\n")
+    env = dict(env_for(tmp_path), PYTHONPATH=str(FAULTS))  # Ray's tool and reward workers import it by name
+    # A real warm-start (the tiny policy then calls the calculator), five RL steps of 8 x 8 samples.
+    args = [f"trainer.output_dir={tmp_path / 'run'}", "trainer.total_steps=5", f"tools.config_path={tools}",
+            f"reward.custom_function_path={FAULTS / 'rlf_faulty.py'}", "reward.timeout_s=2", "tools.call_timeout_s=2",
+            "trainer.sft_steps=60", "trainer.sft_batch_size=16", "trainer.val_every=0", "trainer.save_every=0"]
+    out = subprocess.run([str(BIN / "rlf-train"), *args], capture_output=True, text=True, env=env, timeout=1500)
+    assert out.returncode == 0, out.stderr[-3000:]
+    steps = records(tmp_path / "run")
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
+    for r in steps:  # a non-finite weight would have stopped the run at its sync; the numbers stay finite
+        for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "reward/score/mean"):
+            assert math.isfinite(r[key]), (r["step"], key, r[key])
+        assert r["actor/skipped_steps"] == 0  # no NaN reached the loss
+        assert r["reward/errors"] == sum(r[f"reward/errors/{k}"] for k in ("raised", "invalid", "timeout", "crashed"))
+    total = {key: sum(r[key] for r in steps) for key in steps[0] if key.startswith(("reward/errors/", "tools/errors/"))}
+    for kind in ("raised", "invalid", "timeout", "crashed"):  # NaN, inf and the string are 'invalid'
+        assert total[f"reward/errors/{kind}"] > 0, total
+    assert sum(r["rollout/tool_calls_per_sample"] for r in steps) > 0
+    for kind in ("exception", "timeout", "actor_died"):  # raise; hang and block; exit
+        assert total[f"tools/errors/{kind}"] > 0, total
