@@ -42,6 +42,26 @@ class ToolManager:
     def ends_turn(self, text: str) -> bool:
         return self.strip_end_of_turn(text) != text
 
+    @property
+    def turn_end(self) -> str:
+        """The marker the chat template closes an assistant turn with (demonstrations and turns
+        the model left open end with it)."""
+        return self.end_of_turn[0]
+
+    def stop_token_ids(self) -> list[int]:
+        """Token ids that end a generated turn: every end-of-turn marker of the format that is one
+        token (Llama 3: <|eot_id|> and <|eom_id|>), and the tokenizer's EOS. The engine runs
+        without a tokenizer, so it knows no EOS of its own."""
+        ids = []
+        unknown = getattr(self.tokenizer, "unk_token_id", None)
+        for marker in self.end_of_turn:
+            encoded = self.tokenizer.encode(marker, add_special_tokens=False)
+            if len(encoded) == 1 and encoded[0] != unknown:
+                ids.append(encoded[0])
+        if self.tokenizer.eos_token_id is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        return list(dict.fromkeys(ids))
+
     def render_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         text = self.tokenizer.apply_chat_template(
             messages, tools=tools or None, add_generation_prompt=True, tokenize=False, **self.template_kwargs

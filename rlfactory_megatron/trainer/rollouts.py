@@ -320,7 +320,7 @@ class RolloutPlane:
                                    tool_response_max_tokens=cfg.tools.tool_response_max_tokens)
         sampling = {"temperature": 0.0 if greedy else cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
                     "top_k": cfg.rollout.top_k, "max_tokens": cfg.rollout.max_response_tokens,
-                    "stop": list(cfg.rollout.stop), "stop_token_ids": self.stop_token_ids()}
+                    "stop": list(cfg.rollout.stop), "stop_token_ids": self.manager.stop_token_ids()}
         prompts = {i: self.manager.render_prompt(records[i].messages, self.tool_schemas)[-cfg.rollout.max_prompt_tokens:]
                    for i in sorted({row // n for row in mine})}
         run_tool = self.tool_pool.call if self.tool_pool is not None else None
@@ -418,10 +418,6 @@ class RolloutPlane:
         """The sampling seed of one trajectory, from (run seed, step, row): a resumed run draws the
         same samples as an uninterrupted one, however many engines and batches serve them."""
         return int(np.random.SeedSequence([self.cfg.trainer.seed, step, row]).generate_state(1)[0] >> 1)
-
-    def stop_token_ids(self) -> list[int]:
-        # The engine has no tokenizer and so no EOS: end-of-turn tokens must be given explicitly.
-        return [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
 
     def close(self) -> None:
         if self.engine is None:

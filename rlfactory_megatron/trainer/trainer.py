@@ -248,7 +248,7 @@ class Trainer:
     def _demonstration_rows(self) -> list[tuple[list[int], list[int]]]:
         """Rank 0: prompt + demonstration tokens of every record that has one, mask 1 on the
         assistant's tokens only (tool responses are rendered as the agent loop renders them)."""
-        eot = self.tokenizer.eos_token or ""
+        eot = self.plane.manager.turn_end  # as the agent loop and the chat template end a turn
         rows = []
         for record in self.records:
             if not record.demonstration:

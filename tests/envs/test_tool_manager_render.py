@@ -63,3 +63,35 @@ def test_truncate_observation_by_characters_and_tokens(qwen_tokenizer):
     assert len(qwen_tokenizer.encode(cut_tokens.split("\n...[truncated")[0], add_special_tokens=False)) <= 50
     assert cut_tokens.endswith("more characters not shown]")
     assert truncate_observation("84", 50, qwen_tokenizer) == "84"
+
+
+def test_end_of_turn_has_one_owner_per_format(qwen_tokenizer, llama3_tokenizer):
+    # Generation stops, demonstrations end and open turns are closed by the same markers.
+    llama = get_tool_manager("llama3", llama3_tokenizer)
+    eot, eom = llama3_tokenizer.convert_tokens_to_ids(["<|eot_id|>", "<|eom_id|>"])
+    assert set(llama.stop_token_ids()) == {eot, eom} and llama.turn_end == "<|eot_id|>"
+    qwen = get_tool_manager("qwen3", qwen_tokenizer)
+    assert qwen.stop_token_ids() == [qwen_tokenizer.convert_tokens_to_ids("<|im_end|>")] and qwen.turn_end == "<|im_end|>"
+
+
+def test_a_llama3_turn_ended_by_eom_is_a_tool_call_turn(llama3_tokenizer):
+    import asyncio
+
+    from rlfactory_megatron.envs.agent_loop import AgentLoopConfig, run_agent_loop
+    from rlfactory_megatron.envs.tools import ToolBox, parse_tool_specs
+
+    box = asyncio.run(ToolBox.build(parse_tool_specs([{"class": "calculator"}])))
+    manager = get_tool_manager("llama3", llama3_tokenizer, tool_names=["calculator"])
+    replies = ['<|python_tag|>{"name": "calculator", "parameters": {"expression": "12*7"}}<|eom_id|>', "#### 84<|eot_id|>"]
+
+    class Scripted:
+        async def generate(self, prompt_ids, sampling):
+            assert set(manager.stop_token_ids()) <= set(sampling["stop_token_ids"])
+            ids = llama3_tokenizer.encode(replies.pop(0), add_special_tokens=False)
+            return ids, [-0.1] * len(ids)
+
+    prompt = manager.render_prompt([{"role": "user", "content": "What is 12 times 7?"}], box.schemas())
+    sampling = {"temperature": 1.0, "max_tokens": 64, "stop_token_ids": manager.stop_token_ids()}
+    traj = asyncio.run(run_agent_loop(prompt, Scripted(), manager, box.run, sampling, AgentLoopConfig()))
+    assert traj.stop_reason == "answer" and len(traj.turns) == 2
+    assert traj.turns[0].tool_calls[0].observation == "84" and not traj.turns[0].parse_errors
