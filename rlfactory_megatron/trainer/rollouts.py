@@ -177,6 +177,7 @@ class RolloutPlane:
         self.engine = self.async_engine = self.transport = self.tool_pool = self.reward_pool = None
         self.rollout_store = self.artifacts = None
         self.tool_schemas: list[dict] | None = None
+        self._asleep = False
         self.manager = get_tool_manager(cfg.tools.format, tokenizer)
         self._loop = asyncio.new_event_loop()
         ray_join = self.broadcast(self._start_ray() if self.layout.rank == 0 else None)
@@ -406,12 +407,14 @@ class RolloutPlane:
 
     def sleep(self) -> None:
         """Free the engines' device memory for training (a no-op on CPU)."""
-        if self.engine is not None:
+        if self.engine is not None and not self._asleep:
             self.engine.sleep()
+            self._asleep = True
 
     def wake_up(self) -> None:
-        if self.engine is not None:
+        if self.engine is not None and self._asleep:
             self.engine.wake_up()
+            self._asleep = False
 
     # ------------------------------------------------------------------ helpers
     def sample_seed(self, step: int, row: int) -> int:

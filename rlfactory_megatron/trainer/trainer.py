@@ -9,8 +9,6 @@ rows) is `RolloutPlane` in rollouts.py.
 from __future__ import annotations
 
 import json
-import random
-import shutil
 import time
 from pathlib import Path
 
@@ -24,13 +22,13 @@ from rlfactory_megatron.algorithms import compute_advantages
 from rlfactory_megatron.models.builder import BuildOptions
 from rlfactory_megatron.models.hf_arch import load_arch
 from rlfactory_megatron.trainer.data import PromptRecord, PromptSampler, load_prompts
+from rlfactory_megatron.trainer.dynamic_sampling import informative_rollouts
 from rlfactory_megatron.trainer.logger import MetricsLogger
 from rlfactory_megatron.trainer.presets import apply_preset
-from rlfactory_megatron.trainer.rollouts import RolloutPlane, Rollouts, pad_rows
+from rlfactory_megatron.trainer.checkpoint import load_checkpoint, resume_directory, save_checkpoint
+from rlfactory_megatron.trainer.rollouts import RolloutPlane, Rollouts
+from rlfactory_megatron.trainer.sft import demonstration_rows, sft_warm_start
 from rlfactory_megatron.trainer.tasks import TASKS
-
-STATE_FILE = "trainer_state.json"
-
 
 class Trainer:
     def __init__(self, cfg, hf_dir: str) -> None:
@@ -167,37 +165,14 @@ class Trainer:
         self.plane.sync(self.actor.engine, self.step_index)
 
     def _generate(self) -> Rollouts:
-        """This step's rollouts on every engine; their rewards are gathered later (overlapped).
-
-        With dynamic sampling (DAPO) the rewards are needed first: groups whose samples all scored
-        the same have zero advantage and teach nothing, so they are dropped and further prompts
-        rolled out (at most trainer.max_refill_rounds more times) until prompts_per_step groups
-        are informative; the step then trains on those."""
-        wanted, n = self.cfg.trainer.prompts_per_step, self.cfg.rollout.n
-        step = self.step_index
-        rollouts = self.plane.rollout([self.records[i] for i in self.sampler.next(wanted)], step)
-        if not self.preset.drop_uniform_groups:
-            return rollouts
-        kept: list[tuple[Rollouts, list[int]]] = []
-        groups = seen = rounds = 0
-        while True:
-            scores = np.asarray(self.plane.rewards(rollouts).scores).reshape(-1, n)  # the same on every rank
-            seen += len(scores)
-            informative = [g for g in range(len(scores)) if np.ptp(scores[g]) > 0][: wanted - groups]
-            if informative:
-                kept.append((rollouts, [g * n + k for g in informative for k in range(n)]))
-                groups += len(informative)
-            if groups >= wanted or rounds >= self.cfg.trainer.max_refill_rounds:
-                break
-            rounds += 1
-            extra = [self.records[i] for i in self.sampler.next(wanted)]
-            rollouts = self.plane.rollout(extra, step, first_row=seen * n)
-        if not kept:  # nothing informative at all: train on the last draw (zero advantages)
-            kept = [(rollouts, list(range(len(rollouts.rows))))]
-        final = Rollouts.of_rows(kept)  # with the rewards already computed, not scored again
-        final.extra_stats.update({"rollout/groups_kept": float(groups), "rollout/groups_seen": float(seen),
-                                  "rollout/refill_rounds": float(rounds)})
-        return final
+        """This step's rollouts on every engine; their rewards are gathered later (overlapped),
+        except with dynamic sampling (DAPO), which needs them to choose the groups it keeps."""
+        cfg = self.cfg.trainer
+        draw = lambda: [self.records[i] for i in self.sampler.next(cfg.prompts_per_step)]  # noqa: E731
+        if self.preset.drop_uniform_groups:
+            return informative_rollouts(self.plane, draw, self.step_index, cfg.prompts_per_step, self.cfg.rollout.n,
+                                        cfg.max_refill_rounds)
+        return self.plane.rollout(draw(), self.step_index)
 
     # ------------------------------------------------------------------ the run
     def fit(self) -> dict[str, float]:
@@ -227,80 +202,22 @@ class Trainer:
         return {"val/score_mean": float(np.mean(self.plane.rewards(rollouts).scores))}
 
     def sft_warm_start(self) -> None:
-        """Supervised steps on the prompts' demonstrations (loss on the assistant's tokens only) at
-        the constant trainer.sft_lr, each on a fresh seeded draw of trainer.sft_batch_size prompts."""
-        cfg = self.cfg.trainer
-        rows = self.plane.broadcast(self._demonstration_rows() if self.is_leader else None)
-        rng = random.Random(cfg.seed)
-        start = time.perf_counter()
-        with self.actor.engine.fixed_lr(cfg.sft_lr):
-            for done in range(1, cfg.sft_steps + 1):
-                ids, masks = zip(*(rows[rng.randrange(len(rows))] for _ in range(cfg.sft_batch_size)))
-                metrics = self.actor.sft_update(pad_rows(list(ids), list(masks)))
-                if self.is_leader and (done % 10 == 0 or done == cfg.sft_steps):
-                    elapsed = time.perf_counter() - start
-                    print(f"sft {done}/{cfg.sft_steps} | loss {metrics['sft/loss']:.3f} | {done / elapsed:.2f} steps/s "
-                          f"| ETA {int(elapsed / done * (cfg.sft_steps - done))}s", flush=True)
-        if self.is_leader:
-            print(f"rlf-train: SFT warm-start done ({cfg.sft_steps} steps, loss {metrics['sft/loss']:.3f})")
+        """Supervised steps on the prompts' demonstrations (sft.py), then the weights to the engines."""
+        rows = self.plane.broadcast(demonstration_rows(self.records, self.plane.manager, self.plane.tool_schemas,
+                                                       self.cfg.rollout.max_prompt_tokens) if self.is_leader else None)
+        sft_warm_start(self.actor, rows, self.cfg.trainer, verbose=self.is_leader)
         self._sync_weights()
-
-    def _demonstration_rows(self) -> list[tuple[list[int], list[int]]]:
-        """Rank 0: prompt + demonstration tokens of every record that has one, mask 1 on the
-        assistant's tokens only (tool responses are rendered as the agent loop renders them)."""
-        eot = self.plane.manager.turn_end  # as the agent loop and the chat template end a turn
-        rows = []
-        for record in self.records:
-            if not record.demonstration:
-                continue
-            ids = self.plane.manager.render_prompt(record.messages, self.plane.tool_schemas)
-            ids = ids[-self.cfg.rollout.max_prompt_tokens:]
-            mask = [0] * len(ids)
-            for turn in record.demonstration:
-                if turn["role"] == "tool":
-                    piece, trained = self.plane.manager.render_observation([turn["content"]]), 0
-                else:
-                    piece, trained = self.tokenizer.encode(turn["content"] + eot, add_special_tokens=False), 1
-                ids += piece
-                mask += [trained] * len(piece)
-            rows.append((ids, mask))
-        return rows
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
-        directory = self.output / "checkpoints" / f"step_{self.step_index:06d}"
-        self.actor.engine.check_finite("the checkpoint")
-        self.actor.engine.save(directory / "actor")
-        if self.critic is not None:
-            self.critic.engine.save(directory / "critic")
-        if self.is_leader:
-            state = {"step": self.step_index, "sampler": self.sampler.state_dict()}
-            (directory / STATE_FILE).write_text(json.dumps(state))
-            kept = sorted((self.output / "checkpoints").glob("step_*"))
-            for old in kept[: -self.cfg.trainer.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
-        dist.barrier()
-        return directory
+        return save_checkpoint(self.output, self.step_index, self.actor, self.critic, self.sampler,
+                               self.cfg.trainer.keep_last)
 
     def _maybe_resume(self) -> None:
-        choice = self.cfg.trainer.resume
-        if choice == "never":
+        directory = resume_directory(self.cfg.trainer.resume, self.output)
+        if directory is None:
             return
-        if choice == "auto":
-            done = [d for d in sorted((self.output / "checkpoints").glob("step_*")) if (d / STATE_FILE).is_file()]
-            if not done:
-                return
-            directory = done[-1]
-        else:
-            directory = Path(choice)
-            if not (directory / STATE_FILE).is_file():
-                raise ValueError(f"trainer.resume='{choice}' is not a checkpoint folder (no {STATE_FILE})")
-        state = json.loads((directory / STATE_FILE).read_text())
-        self.actor.engine.load(directory / "actor")
-        if self.critic is not None:
-            self.critic.engine.load(directory / "critic")
-        self.step_index = int(state["step"])
-        self.sampler.load_state_dict(state["sampler"])
+        self.step_index = load_checkpoint(directory, self.actor, self.critic, self.sampler)
         self._sync_weights()
         if self.is_leader:
             self.logger.rewind(self.step_index)

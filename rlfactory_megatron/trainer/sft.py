@@ -1,0 +1,49 @@
+"""Supervised warm-start before RL: demonstrations rendered as the agent loop renders turns,
+trained on the assistant's tokens only, at a constant LR that leaves the RL schedule untouched."""
+from __future__ import annotations
+
+import random
+import time
+
+from rlfactory_megatron.trainer.data import PromptRecord
+from rlfactory_megatron.trainer.rollouts import pad_rows
+
+
+def demonstration_rows(records: list[PromptRecord], manager, tool_schemas, max_prompt_tokens: int) -> list[tuple[list[int], list[int]]]:
+    """Prompt + demonstration tokens of every record that has one, mask 1 on the assistant's
+    tokens only (tool responses as the agent loop renders them; each assistant turn closed by
+    the chat format's end-of-turn marker, as generation stops on it)."""
+    rows = []
+    for record in records:
+        if not record.demonstration:
+            continue
+        ids = manager.render_prompt(record.messages, tool_schemas)[-max_prompt_tokens:]
+        mask = [0] * len(ids)
+        for turn in record.demonstration:
+            if turn["role"] == "tool":
+                piece, trained = manager.render_observation([turn["content"]]), 0
+            else:
+                piece, trained = manager.tokenizer.encode(turn["content"] + manager.turn_end, add_special_tokens=False), 1
+            ids += piece
+            mask += [trained] * len(piece)
+        rows.append((ids, mask))
+    return rows
+
+
+def sft_warm_start(actor, rows: list[tuple[list[int], list[int]]], cfg, verbose: bool) -> dict[str, float]:
+    """trainer.sft_steps optimizer steps at the constant trainer.sft_lr, each on a fresh seeded
+    draw of trainer.sft_batch_size rows; progress with rate and ETA every 10 steps."""
+    rng = random.Random(cfg.seed)
+    start = time.perf_counter()
+    metrics: dict[str, float] = {}
+    with actor.engine.fixed_lr(cfg.sft_lr):
+        for done in range(1, cfg.sft_steps + 1):
+            ids, masks = zip(*(rows[rng.randrange(len(rows))] for _ in range(cfg.sft_batch_size)))
+            metrics = actor.sft_update(pad_rows(list(ids), list(masks)))
+            if verbose and (done % 10 == 0 or done == cfg.sft_steps):
+                elapsed = time.perf_counter() - start
+                print(f"sft {done}/{cfg.sft_steps} | loss {metrics['sft/loss']:.3f} | {done / elapsed:.2f} steps/s "
+                      f"| ETA {int(elapsed / done * (cfg.sft_steps - done))}s", flush=True)
+    if verbose:
+        print(f"rlf-train: SFT warm-start done ({cfg.sft_steps} steps, loss {metrics['sft/loss']:.3f})")
+    return metrics
