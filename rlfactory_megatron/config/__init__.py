@@ -24,8 +24,8 @@ POSITIVE_INTS = ("parallel.tp", "parallel.pp", "rollout.n", "rollout.tp", "actor
                  "trainer.prompts_per_step", "weight_sync.bucket_mb", "tools.max_turns", "trainer.sft_batch_size",
                  "trainer.max_skipped_updates", "rollout.max_prompt_tokens", "rollout.max_response_tokens",
                  "tools.tool_response_max_tokens", "tools.num_workers", "tools.max_concurrency", "reward.num_workers",
-                 "critic.ppo_epochs", "trainer.keep_last", "trainer.val_prompts", "cache.tool_cache_max_mb")
-NON_NEGATIVE = ("trainer.save_every", "trainer.val_every", "trainer.sft_steps", "trainer.max_refill_rounds",
+                 "critic.ppo_epochs", "trainer.keep_last", "cache.tool_cache_max_mb")
+NON_NEGATIVE = ("trainer.save_every", "trainer.val_every", "trainer.val_prompts", "trainer.sft_steps", "trainer.max_refill_rounds",
                 "actor.optim.warmup_steps", "critic.optim.warmup_steps", "actor.optim.min_lr", "critic.optim.min_lr",
                 "actor.optim.weight_decay", "critic.optim.weight_decay", "actor.optim.clip_grad",
                 "critic.optim.clip_grad", "actor.kl_loss_coef", "actor.clip_ratio_low", "actor.clip_ratio_high")
@@ -144,6 +144,9 @@ def _check_ranges(cfg) -> None:
             raise ConfigError(f"{section}.optim.min_lr={optim.min_lr} must not exceed {section}.optim.lr={optim.lr}")
     if not cfg.actor.clip_ratio_c > 1:
         raise ConfigError(f"actor.clip_ratio_c={cfg.actor.clip_ratio_c} must be > 1 (dual-clip's lower bound is -c * A)")
+    if cfg.trainer.val_every > 0 and cfg.trainer.val_prompts < 1:
+        raise ConfigError(f"trainer.val_prompts=0 leaves nothing to validate on every trainer.val_every="
+                          f"{cfg.trainer.val_every} steps; give trainer.val_prompts >= 1 or set trainer.val_every=0")
     if not 0 < cfg.rollout.gpu_memory_utilization <= 1:
         raise ConfigError(f"rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization} must be in (0, 1]")
 
@@ -196,7 +199,8 @@ def _validate_rollout(cfg) -> None:
 def validate_against_model(cfg, arch, world_size: int) -> None:
     """Checks that need the model's shape and the job's size; run before initializing anything."""
     tp, pp, vpp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp
-    if cfg.rollout.mode == "colocated" and world_size % cfg.rollout.tp != 0:
+    # (rlf-convert checks a model layout alone: a config without a rollout section)
+    if OmegaConf.select(cfg, "rollout.mode") == "colocated" and world_size % cfg.rollout.tp != 0:
         raise ConfigError(f"rollout.tp={cfg.rollout.tp} does not divide the world of {world_size} rank(s): colocated "
                           f"mode runs one engine per rollout.tp ranks; use rollout.tp in "
                           f"{{{', '.join(str(d) for d in _divisors(world_size))}}}")

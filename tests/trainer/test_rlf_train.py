@@ -59,7 +59,7 @@ def test_dapo_drops_uniform_groups_and_applies_its_settings(tmp_path):
     out = rlf_train(tmp_path, "dapo", "trainer.algorithm=dapo", "trainer.total_steps=2", "trainer.val_every=0",
                     "trainer.save_every=0", "trainer.prompts_per_step=3", "trainer.max_refill_rounds=1")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "dapo implies actor.clip_ratio_high=0.28" in out.stdout and "reward.manager=dapo" in out.stdout
+    assert "dapo implies actor.policy_loss=clip-higher, actor.clip_ratio_high=0.28" in out.stdout and "reward.manager=dapo" in out.stdout
     for record in records(tmp_path / "dapo"):
         assert record["rollout/refill_rounds"] <= 1
         assert record["rollout/groups_seen"] == 3 * (1 + record["rollout/refill_rounds"])
