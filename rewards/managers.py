@@ -3,6 +3,7 @@ batched call, in worker processes with a timeout, or with DAPO's overlong penalt
 import inspect
 from collections.abc import Callable
 
+from rlfactory_megatron.registry import Registry
 from rlfactory_megatron.rewards.custom import RewardConfigError, RewardFnSpec, load_reward_fn
 from rlfactory_megatron.rewards.process_workers import ScoringProcesses
 from rlfactory_megatron.rewards.records import RewardResult, RewardSample
@@ -114,12 +115,10 @@ class DapoRewardManager(NaiveRewardManager):
         return result
 
 
-REWARD_MANAGERS: dict[str, type[RewardManager]] = {
-    "naive": NaiveRewardManager,
-    "batch": BatchRewardManager,
-    "prime": PrimeRewardManager,
-    "dapo": DapoRewardManager,
-}
+REWARD_MANAGERS: Registry[type[RewardManager]] = Registry("reward manager")
+for _name, _cls in (("naive", NaiveRewardManager), ("batch", BatchRewardManager), ("prime", PrimeRewardManager),
+                    ("dapo", DapoRewardManager)):
+    REWARD_MANAGERS.register(_name, _cls)
 
 
 def build_reward_manager(name: str, function: RewardFnSpec | None = None, **options: object) -> RewardManager:
@@ -138,7 +137,7 @@ def check_reward_config(name: str, function: RewardFnSpec, options: dict) -> Non
 def _checked_manager(name: str, function: RewardFnSpec, options: dict) -> type:
     if name not in REWARD_MANAGERS:
         raise RewardConfigError(f"reward.manager: unknown {name!r}; choose one of {', '.join(REWARD_MANAGERS)}")
-    cls = REWARD_MANAGERS[name]
+    cls = REWARD_MANAGERS.get(name)
     try:
         inspect.signature(cls).bind(function, **options)
     except TypeError as exc:

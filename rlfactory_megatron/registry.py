@@ -1,8 +1,8 @@
 """Name -> implementation registries: one per pluggable kind (losses, estimators, engines, transports, ...)."""
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Generic, TypeVar
 
-F = TypeVar("F", bound=Callable)
+F = TypeVar("F")
 
 
 class Registry(Generic[F]):
@@ -40,3 +40,9 @@ class Registry(Generic[F]):
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def items(self) -> Iterator[tuple[str, F]]:
+        return iter(self._entries.items())

@@ -8,15 +8,13 @@ from typing import Any, Callable
 
 import yaml
 
-TOOL_REGISTRY: dict[str, type] = {}
+from rlfactory_megatron.registry import Registry
+
+TOOL_REGISTRY: Registry[type] = Registry("tool")
 
 
 def register_tool(name: str) -> Callable[[type], type]:
-    def add(cls: type) -> type:
-        TOOL_REGISTRY[name] = cls
-        return cls
-
-    return add
+    return TOOL_REGISTRY.register(name)
 
 
 @dataclass
@@ -31,7 +29,7 @@ def resolve_tool_class(ref: str) -> type:
     """A registered name (`calculator`) or a dotted path (`pkg.module.Class` / `pkg.module:Class`)."""
     _import_builtins()
     if ref in TOOL_REGISTRY:
-        return TOOL_REGISTRY[ref]
+        return TOOL_REGISTRY.get(ref)
     module_name, sep, attr = ref.replace(":", ".").rpartition(".")
     if not sep:
         raise ValueError(f"unknown tool class '{ref}'; use a registered name ({', '.join(sorted(TOOL_REGISTRY))}) or a dotted path")

@@ -12,13 +12,13 @@ import torch
 import torch.distributed as dist
 
 from rlfactory_megatron.kernels.logprob.stats import SoftmaxStats
+from rlfactory_megatron.registry import Registry
 
 # Backend name -> module providing local_stats() and grad_logits(); imported on first use
 # so that CPU-only runs never import triton.
-BACKENDS = {
-    "torch": "rlfactory_megatron.kernels.logprob.torch_backend",
-    "triton": "rlfactory_megatron.kernels.logprob.triton_backend",
-}
+BACKENDS: Registry[str] = Registry("log-prob kernel backend")
+BACKENDS.register("torch", "rlfactory_megatron.kernels.logprob.torch_backend")
+BACKENDS.register("triton", "rlfactory_megatron.kernels.logprob.triton_backend")
 
 # Default chunk: about 2^25 fp32 logits (128 MiB) per [chunk, V/tp] buffer; smaller chunks slow the matmuls.
 CHUNK_ELEMENTS = 1 << 25
@@ -29,7 +29,7 @@ def get_backend(impl: str, device: torch.device) -> ModuleType:
         impl = "triton" if device.type == "cuda" else "torch"
     if impl not in BACKENDS:
         raise ValueError(f"impl must be 'auto' or one of {sorted(BACKENDS)}, got '{impl}'")
-    return importlib.import_module(BACKENDS[impl])
+    return importlib.import_module(BACKENDS.get(impl))
 
 
 def default_chunk_size(vocab_shard: int) -> int:

@@ -2,17 +2,15 @@
 from collections.abc import Callable
 from typing import Any
 
+from rlfactory_megatron.registry import Registry
 from rlfactory_megatron.rewards.scorers import geo3k, gsm8k, math, search_qa, tool_format
 
 Scorer = Callable[..., float | dict]
 
-SCORERS: dict[str, Scorer] = {
-    "gsm8k": gsm8k.score,
-    "math": math.score,
-    "geo3k": geo3k.score,
-    "search_qa": search_qa.score,
-    "tool_format": tool_format.score,
-}
+SCORERS: Registry[Scorer] = Registry("reward scorer")
+for _name, _module in (("gsm8k", gsm8k), ("math", math), ("geo3k", geo3k), ("search_qa", search_qa),
+                       ("tool_format", tool_format)):
+    SCORERS.register(_name, _module.score)
 
 # Dataset names as they appear in the `data_source` column of common RL datasets.
 DATA_SOURCES: dict[str, str] = {
@@ -36,7 +34,7 @@ def get_scorer(name: str) -> Scorer:
             f"no reward scorer for {name!r}; registered scorers: {', '.join(SCORERS)} "
             f"(dataset names: {', '.join(DATA_SOURCES)}); set reward.custom_function for other data"
         )
-    return SCORERS[key]
+    return SCORERS.get(key)
 
 
 def default_compute_score(

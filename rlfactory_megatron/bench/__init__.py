@@ -3,12 +3,17 @@
 Every benchmark reports ratios against a baseline measured in the same process.
 """
 
-BENCHMARKS = {
-    "actor": "Megatron actor forward+backward vs plain transformers",
-    "weight-sync": "Megatron -> vLLM bucketed weight sync vs memcpy and disk reload",
-    "tools": "Ray tool pool throughput vs ideal concurrency / latency",
-    "rewards": "Ray reward pool vs in-process scoring, and overlap with compute",
-    "cache": "HDF5 rollout cache write/read MB/s and lookup latency vs raw disk",
-    "logprob": "fused vocab-parallel log-prob/entropy vs naive log_softmax",
-    "e2e": "end-to-end GRPO step phases and tokens/s vs TRL",
-}
+from rlfactory_megatron.registry import Registry
+
+# name -> what it measures; the module rlfactory_megatron.bench.<name with _ for -> runs it.
+BENCHMARKS: Registry[str] = Registry("benchmark")
+for _name, _what in (
+    ("actor", "Megatron actor forward+backward vs plain transformers"),
+    ("weight-sync", "Megatron -> vLLM bucketed weight sync vs memcpy and disk reload"),
+    ("tools", "Ray tool pool throughput vs ideal concurrency / latency"),
+    ("rewards", "Ray reward pool vs in-process scoring, and overlap with compute"),
+    ("cache", "HDF5 rollout cache write/read MB/s and lookup latency vs raw disk"),
+    ("logprob", "fused vocab-parallel log-prob/entropy vs naive log_softmax"),
+    ("e2e", "end-to-end GRPO step phases and tokens/s vs TRL"),
+):
+    BENCHMARKS.register(_name, _what)

@@ -6,6 +6,8 @@ from typing import Any
 
 from omegaconf import OmegaConf, open_dict
 
+from rlfactory_megatron.registry import Registry
+
 
 @dataclass(frozen=True)
 class AlgorithmPreset:
@@ -18,17 +20,16 @@ class AlgorithmPreset:
     implied: tuple[tuple[str, Any], ...] = ()
 
 
-ALGORITHM_PRESETS: dict[str, AlgorithmPreset] = {
-    "ppo": AlgorithmPreset("gae", "ppo", use_critic=True),
-    "grpo": AlgorithmPreset("grpo", "ppo"),
-    # DAPO: clip-higher (eps_high 0.28), dynamic sampling, overlong penalty over the last quarter
-    # of the response budget (and token-mean loss aggregation, already the default).
-    "dapo": AlgorithmPreset("grpo", "clip-higher", drop_uniform_groups=True, implied=(
-        ("actor.clip_ratio_high", 0.28), ("reward.manager", "dapo"))),
-    "gspo": AlgorithmPreset("grpo", "gspo"),
-    "reinforce_pp": AlgorithmPreset("reinforce++", "ppo"),
-    "rloo": AlgorithmPreset("rloo", "ppo"),
-}
+ALGORITHM_PRESETS: Registry[AlgorithmPreset] = Registry("algorithm preset")
+ALGORITHM_PRESETS.register("ppo", AlgorithmPreset("gae", "ppo", use_critic=True))
+ALGORITHM_PRESETS.register("grpo", AlgorithmPreset("grpo", "ppo"))
+# DAPO: clip-higher (eps_high 0.28), dynamic sampling, overlong penalty over the last quarter
+# of the response budget (and token-mean loss aggregation, already the default).
+ALGORITHM_PRESETS.register("dapo", AlgorithmPreset("grpo", "clip-higher", drop_uniform_groups=True, implied=(
+    ("actor.clip_ratio_high", 0.28), ("reward.manager", "dapo"))))
+ALGORITHM_PRESETS.register("gspo", AlgorithmPreset("grpo", "gspo"))
+ALGORITHM_PRESETS.register("reinforce_pp", AlgorithmPreset("reinforce++", "ppo"))
+ALGORITHM_PRESETS.register("rloo", AlgorithmPreset("rloo", "ppo"))
 
 
 def apply_preset(cfg) -> tuple[AlgorithmPreset, list[str]]:
@@ -38,7 +39,7 @@ def apply_preset(cfg) -> tuple[AlgorithmPreset, list[str]]:
     `key=value` strings it applied (for the start-up log)."""
     from rlfactory_megatron.config.schema import RLFConfig
 
-    preset = ALGORITHM_PRESETS[cfg.trainer.algorithm]
+    preset = ALGORITHM_PRESETS.get(cfg.trainer.algorithm)
     schema = OmegaConf.structured(RLFConfig)
     applied = []
     with open_dict(cfg):
