@@ -290,6 +290,8 @@ class RolloutPlane:
                                              "channel": cfg.channel})
         self.tool_pool = ToolPool(pool_cfg, self.artifacts)
         self.tool_schemas = self._loop.run_until_complete(self.tool_pool.start())
+        if self.layout.rank == 0:
+            _report_sandboxes(pool_cfg.tools)
 
     # ------------------------------------------------------------------ a rollout phase
     def rollout(self, records: list[PromptRecord], step: int, greedy: bool = False, first_row: int = 0) -> Rollouts:
@@ -433,6 +435,21 @@ class RolloutPlane:
         for store in (self.rollout_store, self.artifacts):
             if store is not None:
                 store.close()
+
+
+def _report_sandboxes(specs) -> None:
+    """One start-up line per sandboxed tool: the isolation its programs run under on this node
+    (each result's metadata carries it too)."""
+    from rlfactory_megatron.envs.tools.registry import resolve_tool_class
+
+    for spec in specs:
+        cls = resolve_tool_class(spec.cls)
+        if hasattr(cls, "isolation"):
+            isolation = cls(**spec.params).isolation()
+            held = ", ".join(k for k, v in isolation.items() if v) or "none"
+            missing = ", ".join(k for k, v in isolation.items() if not v)
+            print(f"rlf-train: tool '{spec.cls}' runs programs isolated by: {held}"
+                  + (f" (not: {missing})" if missing else ""), flush=True)
 
 
 @contextlib.contextmanager

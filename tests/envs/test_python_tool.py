@@ -184,3 +184,13 @@ def test_no_network():
         assert open_net.text.strip() == "connected"
     finally:
         server.close()
+
+
+def test_the_isolation_in_force_is_reported_at_start_up(capsys):
+    from rlfactory_megatron.envs.tools.registry import ToolSpec
+    from rlfactory_megatron.trainer.rollouts import _report_sandboxes
+
+    _report_sandboxes([ToolSpec("calculator"), ToolSpec("python", {"isolate_network": False})])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["rlf-train: tool 'python' runs programs isolated by: filesystem, pid_namespace, process_limit "
+                     "(not: network)"] or not sandbox_support().drop_privileges
