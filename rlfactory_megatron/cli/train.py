@@ -10,12 +10,22 @@ import sys
 from pathlib import Path
 
 
-def _train_rank(config_file: str, hf_dir: str) -> dict:
+def _train_rank(config_file: str, hf_dir: str, verbose: bool) -> dict:
     from rlfactory_megatron.config import load_config
+    from rlfactory_megatron.runtime.console import library_output_to
+    from rlfactory_megatron.runtime.launch_env import detect_launch_env
+
+    cfg = load_config(config_file)
+    rank = detect_launch_env().rank
+    log = Path(cfg.trainer.output_dir) / "logs" / f"rank{rank:05d}.log"
+    with library_output_to(log, enabled=not verbose):
+        return _train(cfg, hf_dir)
+
+
+def _train(cfg, hf_dir: str) -> dict:
     from rlfactory_megatron.runtime.distributed import ParallelSizes, destroy_distributed, init_distributed
     from rlfactory_megatron.trainer.trainer import Trainer
 
-    cfg = load_config(config_file)
     init_distributed(ParallelSizes(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp), seed=cfg.trainer.seed)
     trainer = None
     failed = True
@@ -40,12 +50,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlf-train", description=__doc__)
     parser.add_argument("--config", help="YAML file merged over the built-in default")
     parser.add_argument("--print-config", action="store_true", help="print the merged config and exit")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show the libraries' console output (else it goes to <output_dir>/logs/; also RLF_VERBOSE=1)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.optim.lr=1e-6 parallel.tp=2")
     args = parser.parse_args(argv)
 
     from rlfactory_megatron.config import ConfigError, load_config, to_yaml, validate_against_model
     from rlfactory_megatron.models.hf_arch import UnsupportedCheckpointError, load_arch
     from rlfactory_megatron.models.resolve import resolve_model_path
+    from rlfactory_megatron.runtime.console import verbose_requested
     from rlfactory_megatron.runtime.distributed import run_as_job
     from rlfactory_megatron.runtime.launch_env import detect_launch_env
     from rlfactory_megatron.trainer.presets import apply_preset
@@ -70,7 +83,10 @@ def main(argv: list[str] | None = None) -> int:
             config_file.write_text(to_yaml(cfg))
         print(f"rlf-train: {cfg.trainer.algorithm} on {arch.model_type} ({arch.num_layers} layers) from {hf_dir}; "
               f"tp={cfg.parallel.tp} pp={cfg.parallel.pp} on {world} rank(s); outputs in {output.resolve()}")
-        results = run_as_job(_train_rank, cfg.parallel.tp * cfg.parallel.pp, str(config_file), str(hf_dir))
+        verbose = args.verbose or verbose_requested()
+        if not verbose and launch.rank == 0:
+            print(f"rlf-train: library output goes to {output / 'logs'} (--verbose shows it here)")
+        results = run_as_job(_train_rank, cfg.parallel.tp * cfg.parallel.pp, str(config_file), str(hf_dir), verbose)
     except (ConfigError, UnsupportedCheckpointError, ValueError) as exc:
         print(f"rlf-train: error: {exc}", file=sys.stderr)
         return 2

@@ -68,6 +68,13 @@ def test_dapo_drops_uniform_groups_and_applies_its_settings(tmp_path):
             assert record["rollout/refill_rounds"] == 1
     config = (tmp_path / "dapo" / "config.yaml").read_text()
     assert "clip_ratio_high: 0.28" in config
+    # The console is ours: a few lines of our own before the first progress line, no traceback;
+    # the libraries' start-up output (megatron, vLLM, Ray) is in the run's log instead.
+    before_progress = out.stdout.split("\nsft ")[0].splitlines() + [l for l in out.stderr.splitlines() if l.strip()]
+    assert len(before_progress) <= 15, before_progress
+    assert "Traceback" not in out.stdout + out.stderr
+    log = (tmp_path / "dapo" / "logs" / "rank00000.log").read_text()
+    assert "vllm" in log.lower() and "Apex" in log
 
 
 def test_bad_config_fails_before_any_work(tmp_path):
