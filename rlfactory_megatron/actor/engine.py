@@ -128,11 +128,14 @@ class MegatronEngine:
     def check_finite(self, before: str) -> None:
         """Raise NonFiniteError naming the first non-finite parameter (on any rank), e.g. before a
         weight sync or a checkpoint: serving or saving such weights would spread the damage."""
-        bad = [name for name, p in self._named_parameters() if not bool(torch.isfinite(p.detach()).all())]
-        flag = torch.tensor(float(bool(bad)), device=compute_device())
+        named = list(self._named_parameters())
+        # One flag on the device (one host sync), not one per parameter; names only when needed.
+        local = torch.stack([~torch.isfinite(p.detach()).all() for _, p in named]).any()
+        flag = local.float().to(compute_device())
         if dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag:
+            bad = [name for name, p in named if not bool(torch.isfinite(p.detach()).all())] if local else []
             where = f"e.g. '{bad[0]}' on rank {dist.get_rank()}" if bad else "on another rank"
             raise NonFiniteError(f"non-finite weights found before {before} ({where}), which did not happen; "
                                  "lower actor.optim.lr or check the rewards, and resume from the last checkpoint")

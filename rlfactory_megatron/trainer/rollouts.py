@@ -191,11 +191,13 @@ class RolloutPlane:
             dist.broadcast_object_list(box, src=0, group=self.cpu_group)
         return box[0]
 
-    def _gather(self, obj: Any) -> list[Any]:
-        if self.layout.world == 1:
+    def _gather(self, obj: Any, group=None, size: int | None = None) -> list[Any]:
+        """`obj` from every rank of `group` (default: the whole job, over gloo)."""
+        size = self.layout.world if size is None else size
+        if size == 1:
             return [obj]
-        out: list[Any] = [None] * self.layout.world
-        dist.all_gather_object(out, obj, group=self.cpu_group)
+        out: list[Any] = [None] * size
+        dist.all_gather_object(out, obj, group=self.cpu_group if group is None else group)
         return out
 
     def _start_ray(self) -> tuple[str, dict[str, str]]:
@@ -259,13 +261,8 @@ class RolloutPlane:
         if self.layout.num_engines == self.layout.world:
             return detect_topology()
 
-        def allgather(obj: Any) -> list[Any]:
-            out: list[Any] = [None] * self.layout.num_engines
-            dist.all_gather_object(out, obj, group=self.owner_group)
-            return out
-
         return Topology(rank=self.layout.engine_index, world=self.layout.num_engines, backend="torch",
-                        allgather=allgather)
+                        allgather=lambda obj: self._gather(obj, self.owner_group, self.layout.num_engines))
 
     def _open_cache(self) -> None:
         """The run's HDF5 cache (cache.dir, default <output_dir>/cache): every step's trajectories
