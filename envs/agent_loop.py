@@ -104,7 +104,7 @@ async def run_agent_loop(
         obs_ids = manager.render_observation(observations)
         if not manager.ends_turn(text):
             # The model stopped without closing its turn (stop string or length): close it for it.
-            obs_ids = manager.tokenizer.encode(manager.turn_end, add_special_tokens=False) + obs_ids
+            obs_ids = manager.tokenizer.encode(manager.turn_end_of(calls_tools=True), add_special_tokens=False) + obs_ids
         if len(traj.response_ids) + len(obs_ids) >= config.max_response_tokens:
             traj.stop_reason = "token_budget"
             break

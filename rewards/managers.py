@@ -26,22 +26,44 @@ class RewardManager:
     def __call__(self, samples: list[RewardSample], on_start: ProgressHook = _no_progress) -> RewardResult:
         raise NotImplementedError
 
+    def isolate(self, timeout_s: float, num_processes: int = 2) -> None:
+        """Score samples in worker processes killed past `timeout_s` each, where the manager can
+        (per-sample managers); one batched call stays where it is (its caller supervises it)."""
+        return None
+
     def close(self) -> None:
         return None
 
 
 class NaiveRewardManager(RewardManager):
-    """One reward-function call per sample, in this process; a raising call scores 0."""
+    """One reward-function call per sample: in this process, or, once `isolate`d, in worker
+    processes where a sample that hangs or exits costs only itself."""
 
     def __init__(self, function: RewardFnSpec) -> None:
         self.fn = load_reward_fn(function)
+        self.function = function
+        self.processes: ScoringProcesses | None = None
+
+    def isolate(self, timeout_s: float, num_processes: int = 2) -> None:
+        """Score each sample in one of `num_processes` worker processes (plus spares while a
+        sample is slow), killed past `timeout_s`."""
+        self.close()
+        self.processes = ScoringProcesses(self.function, num_processes, timeout_s)
 
     def __call__(self, samples: list[RewardSample], on_start: ProgressHook = _no_progress) -> RewardResult:
+        if self.processes is not None:  # the processes keep their own time: the supervisor gets the whole call
+            on_start(list(range(len(samples))))
+            return RewardResult.from_scores(samples, self.processes.score(samples))
         outcomes = []
         for index, sample in enumerate(samples):
             on_start([index])
             outcomes.append(score_one(self.fn, sample, index))
         return RewardResult.from_scores(samples, outcomes)
+
+    def close(self) -> None:
+        if self.processes is not None:
+            self.processes.close()
+            self.processes = None
 
 
 class BatchRewardManager(RewardManager):
@@ -57,8 +79,9 @@ class BatchRewardManager(RewardManager):
         return RewardResult.from_scores(samples, score_batch(self.fn, samples))
 
 
-class PrimeRewardManager(RewardManager):
-    """Per-sample calls spread over worker processes; a sample past `timeout_s` or crashing its process scores 0."""
+class PrimeRewardManager(NaiveRewardManager):
+    """Per-sample calls spread over `num_processes` worker processes; a sample past `timeout_s`
+    or crashing its process scores 0."""
 
     def __init__(self, function: RewardFnSpec, num_processes: int = 4, timeout_s: float = 300.0) -> None:
         if num_processes < 1 or timeout_s <= 0:
@@ -66,14 +89,12 @@ class PrimeRewardManager(RewardManager):
                 "reward.manager_options: prime needs num_processes >= 1 and timeout_s > 0, "
                 f"got num_processes={num_processes}, timeout_s={timeout_s}"
             )
-        load_reward_fn(function)  # fail here, at start-up, rather than in every worker process
-        self.processes = ScoringProcesses(function, num_processes, timeout_s)
+        super().__init__(function)  # loads the function: fail here, at start-up, not in every process
+        self.isolate(timeout_s, num_processes)
 
-    def __call__(self, samples: list[RewardSample], on_start: ProgressHook = _no_progress) -> RewardResult:
-        return RewardResult.from_scores(samples, self.processes.score(samples))
-
-    def close(self) -> None:
-        self.processes.close()
+    def isolate(self, timeout_s: float, num_processes: int = 2) -> None:
+        if self.processes is None:  # its own processes and timeout (reward.manager_options) hold
+            super().isolate(timeout_s, num_processes)
 
 
 def overlong_penalty(length: int, max_length: int, buffer: int, factor: float) -> float:

@@ -1,7 +1,10 @@
 """The Ray reward pool: reward managers in CPU Ray actors; `submit(samples)` returns a future.
 
-A sample whose reward function raises, hangs or kills its worker scores 0 with an error;
-the other samples are (re)scored and the pool replaces the dead or stuck worker.
+A sample whose reward function raises, hangs or kills its process scores 0 with an error.
+Per-sample managers score in worker processes inside the actor (`RewardManager.isolate`), so a
+hang costs `sample_timeout_s` at most, concurrently with the rest; the pool supervises the
+actors themselves (a batched call that hangs, an actor that dies): the other samples are
+(re)scored and the dead or stuck actor replaced.
 """
 import dataclasses
 import itertools
@@ -44,8 +47,11 @@ def unpack_samples(pieces: tuple[bytes, ...] | list[bytes]) -> list[RewardSample
 class RewardWorker:
     """Ray actor body: one reward manager, plus `ready`/`progress` answered from a second thread."""
 
-    def __init__(self, manager: str, function: RewardFnSpec, options: dict) -> None:
+    def __init__(self, manager: str, function: RewardFnSpec, options: dict, sample_timeout_s: float) -> None:
         self.manager = build_reward_manager(manager, function, **options)
+        # Each sample in a process of its own: a hang or an exit costs that sample and the
+        # process (milliseconds to replace), not this actor, and hung samples overlap.
+        self.manager.isolate(sample_timeout_s)
         self._job: int | None = None
         self._unit: tuple[list[int], float] | None = None
 
@@ -276,7 +282,7 @@ class RewardPool:
         self._workers = []
 
     def _start_worker(self) -> ActorHandle:
-        worker = self._actor.remote(self.manager, self.function, self.manager_options)
+        worker = self._actor.remote(self.manager, self.function, self.manager_options, self.sample_timeout_s)
         self._starting[worker] = (worker.ready.remote(), time.monotonic())
         return worker
 

@@ -1,4 +1,5 @@
-"""Worker processes that score one sample at a time each: a sample that hangs or kills its process costs only itself."""
+"""Worker processes that score one sample at a time each: a sample that hangs or kills its
+process costs only itself, and a slow one does not hold back the rest (a spare starts)."""
 import multiprocessing
 import time
 from collections import deque
@@ -13,6 +14,10 @@ from rlfactory_megatron.rewards.scoring import failed, score_one
 # deadlock.
 _CONTEXT = multiprocessing.get_context("forkserver")
 _READY = "ready"
+# The server imports these once, so a replacement or spare process starts in ~0.1 s (the
+# scorers pull in math_verify / sympy, seconds to import). Not the user's reward file: forked
+# from one import, every worker would share its module state (a seeded RNG, an open client).
+_PRELOAD = [__name__, "rlfactory_megatron.rewards.scorers"]
 
 
 def _serve(spec: RewardFnSpec, conn: Connection) -> None:
@@ -32,17 +37,28 @@ class _Worker:
     conn: Connection
     ready: bool = False
     job: int | None = None  # index of the sample being scored
+    started: float = 0.0  # when it got `job`
     deadline: float = 0.0
 
 
 class ScoringProcesses:
-    """`num_processes` worker processes; each sample gets `timeout_s` of one worker's time."""
+    """`num_processes` worker processes; each sample gets `timeout_s` of one worker's time.
 
-    def __init__(self, spec: RewardFnSpec, num_processes: int, timeout_s: float) -> None:
+    A sample that has run `slow_after_s` without answering (hung, or just slow) lets one spare
+    process start, up to `max_spares` at once, so the samples queued behind it keep being scored:
+    a call returns about `timeout_s` after its slowest honest sample, however many samples hang.
+    Spares stop when the call returns.
+    """
+
+    def __init__(self, spec: RewardFnSpec, num_processes: int, timeout_s: float, max_spares: int = 8,
+                 slow_after_s: float | None = None) -> None:
         self.spec, self.num_processes, self.timeout_s = spec, num_processes, timeout_s
+        self.max_spares = max_spares
+        self.slow_after_s = min(0.25, timeout_s / 8) if slow_after_s is None else slow_after_s
         self._workers: list[_Worker] = []
-        # The server imports the scorers once, so a replacement worker starts in milliseconds.
-        _CONTEXT.set_forkserver_preload([__name__])
+        _CONTEXT.set_forkserver_preload(_PRELOAD)
+        # Started now, so they are ready (imports done) by the first call.
+        self._workers = [self._start() for _ in range(num_processes)]
 
     def score(self, samples: list[RewardSample]) -> list[SampleScore]:
         """Scores in input order; a timed-out or crashed sample scores 0 with its error."""
@@ -51,11 +67,17 @@ class ScoringProcesses:
         results: list[SampleScore | None] = [None] * len(samples)
         pending = deque(range(len(samples)))
         while pending or any(w.job is not None for w in self._workers):
+            if pending:
+                self._add_spare()
             for worker in self._workers:
                 if worker.ready and worker.job is None and pending:
-                    worker.job, worker.deadline = pending.popleft(), time.monotonic() + self.timeout_s
+                    worker.job, worker.started = pending.popleft(), time.monotonic()
+                    worker.deadline = worker.started + self.timeout_s
                     worker.conn.send((worker.job, samples[worker.job]))
-            self._collect(results)
+            self._collect(results, waiting=bool(pending))
+        for worker in self._workers[self.num_processes:]:
+            self._stop(worker, graceful=True)
+        del self._workers[self.num_processes:]
         return results
 
     def close(self) -> None:
@@ -63,9 +85,24 @@ class ScoringProcesses:
             self._stop(worker, graceful=True)
         self._workers = []
 
-    def _collect(self, results: list[SampleScore | None]) -> None:
-        busy_deadlines = [w.deadline for w in self._workers if w.job is not None]
-        timeout = max(0.0, min(busy_deadlines) - time.monotonic()) if busy_deadlines else None
+    def _add_spare(self) -> None:
+        """One more process while samples wait, every worker is busy or starting, and some busy
+        worker's sample is slow."""
+        if any(w.job is None for w in self._workers):
+            return  # an idle or still-starting worker takes the next sample
+        now = time.monotonic()
+        slow = sum(now - w.started >= self.slow_after_s for w in self._workers)
+        spares = len(self._workers) - self.num_processes
+        if slow > 0 and spares < min(slow, self.max_spares):
+            self._workers.append(self._start())
+
+    def _collect(self, results: list[SampleScore | None], waiting: bool) -> None:
+        now = time.monotonic()
+        wake = [w.deadline for w in self._workers if w.job is not None]
+        if waiting:  # also when a busy sample turns slow: a spare may start then
+            wake += [w.started + self.slow_after_s for w in self._workers
+                     if w.job is not None and w.started + self.slow_after_s > now]
+        timeout = max(0.0, min(wake) - now) if wake else None
         ready = set(wait([w.conn for w in self._workers] + [w.process.sentinel for w in self._workers], timeout))
         for i, worker in enumerate(self._workers):
             if worker.conn in ready:

@@ -16,17 +16,20 @@ from rlfactory_megatron.registry import Registry
 @dataclass(frozen=True)
 class ToolFormat:
     """A chat format's tool calling: its parser, the markers that end an assistant turn (the
-    first is the one its chat template writes), and extra chat-template arguments."""
+    first is the one its chat template writes), the one that ends a turn calling tools when it
+    differs, and extra chat-template arguments."""
 
     parser: Callable[..., ToolCallParser]
     end_of_turn: tuple[str, ...]
+    call_turn_end: str | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 TOOL_FORMATS: Registry[ToolFormat] = Registry("tool format")
 TOOL_FORMATS.register("qwen3", ToolFormat(HermesToolParser, ("<|im_end|>",)))
 TOOL_FORMATS.register("qwen2_5", ToolFormat(HermesToolParser, ("<|im_end|>",)))
-TOOL_FORMATS.register("llama3", ToolFormat(Llama3JsonToolParser, ("<|eot_id|>", "<|eom_id|>")))
+# Llama 3: <|eom_id|> ends a message that calls a tool (the conversation goes on with its result).
+TOOL_FORMATS.register("llama3", ToolFormat(Llama3JsonToolParser, ("<|eot_id|>", "<|eom_id|>"), "<|eom_id|>"))
 
 
 def _format(name: str) -> ToolFormat:
@@ -43,7 +46,8 @@ def get_tool_parser(name: str, tool_names: list[str] | None = None) -> ToolCallP
 
 def get_tool_manager(name: str, tokenizer: Any, tool_names: list[str] | None = None) -> ToolManager:
     fmt = _format(name)
-    return ToolManager(fmt.parser(tool_names), tokenizer, fmt.end_of_turn, dict(fmt.template_kwargs))
+    return ToolManager(fmt.parser(tool_names), tokenizer, fmt.end_of_turn, dict(fmt.template_kwargs),
+                       fmt.call_turn_end)
 
 
 __all__ = [

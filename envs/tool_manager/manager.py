@@ -27,6 +27,7 @@ class ToolManager:
     tokenizer: Any
     end_of_turn: tuple[str, ...]
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    call_end_of_turn: str | None = None  # the marker of a turn that calls tools, when not end_of_turn[0]
 
     def parse(self, text: str) -> ParsedTurn:
         """Parse a generated turn, without the end-of-turn marker the model closed it with."""
@@ -47,6 +48,12 @@ class ToolManager:
         """The marker the chat template closes an assistant turn with (demonstrations and turns
         the model left open end with it)."""
         return self.end_of_turn[0]
+
+    def turn_end_of(self, calls_tools: bool) -> str:
+        """The marker that closes an assistant turn, in generation, demonstrations and turns the
+        model left open alike: the format's call marker for one that calls tools (Llama 3:
+        <|eom_id|>), else `turn_end`."""
+        return self.call_end_of_turn if calls_tools and self.call_end_of_turn else self.turn_end
 
     def stop_token_ids(self) -> list[int]:
         """Token ids that end a generated turn: every end-of-turn marker of the format that is one

@@ -12,7 +12,7 @@ from rlfactory_megatron.trainer.rollouts import pad_rows
 def demonstration_rows(records: list[PromptRecord], manager, tool_schemas, max_prompt_tokens: int) -> list[tuple[list[int], list[int]]]:
     """Prompt + demonstration tokens of every record that has one, mask 1 on the assistant's
     tokens only (tool responses as the agent loop renders them; each assistant turn closed by
-    the chat format's end-of-turn marker, as generation stops on it)."""
+    the marker generation stops on: Llama 3's <|eom_id|> after a tool call, else end of turn)."""
     rows = []
     for record in records:
         if not record.demonstration:
@@ -23,7 +23,8 @@ def demonstration_rows(records: list[PromptRecord], manager, tool_schemas, max_p
             if turn["role"] == "tool":
                 piece, trained = manager.render_observation([turn["content"]]), 0
             else:
-                piece, trained = manager.tokenizer.encode(turn["content"] + manager.turn_end, add_special_tokens=False), 1
+                end = manager.turn_end_of(calls_tools=bool(manager.parse(turn["content"]).tool_calls))
+                piece, trained = manager.tokenizer.encode(turn["content"] + end, add_special_tokens=False), 1
             ids += piece
             mask += [trained] * len(piece)
         rows.append((ids, mask))

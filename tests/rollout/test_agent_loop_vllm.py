@@ -49,19 +49,25 @@ def successors(tokenizer, text: str) -> dict[int, int]:
     return chain
 
 
-def make_scripted_model(out_dir: Path, tokenizer) -> Path:
+def make_scripted_model(out_dir: Path, tokenizer, model_type: str = "qwen2", call_turn: str = CALL_TURN,
+                        answer_turn: str = ANSWER_TURN, marker: str = MARKER, prompt_end: str = "assistant\n",
+                        answer_after_call: bool = False) -> Path:
+    """The scripted model (module docstring) of `model_type`. `answer_after_call`: the call turn's
+    last token is followed by the answer, so only a stop token ends the turn there."""
     from safetensors.torch import load_file, save_file
 
     from rlfactory_megatron.models.tiny import make_tiny_hf_model
 
     vocab = (len(tokenizer) + 63) // 64 * 64
-    make_tiny_hf_model("qwen2", out_dir, hidden_size=HIDDEN, num_attention_heads=8, num_key_value_heads=8,
+    make_tiny_hf_model(model_type, out_dir, hidden_size=HIDDEN, num_attention_heads=8, num_key_value_heads=8,
                        head_dim=32, num_hidden_layers=1, intermediate_size=64, vocab_size=vocab)
-    prompt_end = tokenizer.encode("assistant\n", add_special_tokens=False)[-1]
-    call_chain, answer_chain = successors(tokenizer, CALL_TURN), successors(tokenizer, ANSWER_TURN)
-    answer_first = tokenizer.encode(ANSWER_TURN, add_special_tokens=False)[0]
-    call_first = tokenizer.encode(CALL_TURN, add_special_tokens=False)[0]
-    marker = tokenizer.convert_tokens_to_ids(MARKER)
+    prompt_end = tokenizer.encode(prompt_end, add_special_tokens=False)[-1]
+    call_chain, answer_chain = successors(tokenizer, call_turn), successors(tokenizer, answer_turn)
+    answer_first = tokenizer.encode(answer_turn, add_special_tokens=False)[0]
+    call_first = tokenizer.encode(call_turn, add_special_tokens=False)[0]
+    if answer_after_call:
+        call_chain[tokenizer.encode(call_turn, add_special_tokens=False)[-1]] = answer_first
+    marker = tokenizer.convert_tokens_to_ids(marker)
     scripted = sorted({prompt_end, marker, *call_chain, *call_chain.values(), *answer_chain, *answer_chain.values()})
     dim = {token: i for i, token in enumerate(scripted)}
     other_dim, flag_dim = HIDDEN - 2, HIDDEN - 1
@@ -224,3 +230,58 @@ def test_sampling_dict_maps_onto_sampling_config_and_rejects_bad_keys():
         sampling_config({"temprature": 1.0})
     with pytest.raises(ValueError, match="n must be 1"):
         sampling_config({"n": 4})
+
+
+LLAMA_CALL_JSON = '{"name": "calculator", "parameters": {"expression": "12*7"}}'
+LLAMA_CALL_TURN = f"<|python_tag|>{LLAMA_CALL_JSON}<|eom_id|>"
+LLAMA_ANSWER_TURN = f"{ANSWER}<|eot_id|>"
+
+
+def test_a_llama3_tool_call_turn_stops_at_eom_on_vllm(tmp_path):
+    # Llama 3 ends a message that calls a tool with <|eom_id|>, not <|eot_id|>. The scripted tiny
+    # Llama goes on into the answer after <|eom_id|>, so the turn ends there only if the stop ids
+    # the tool manager owns reach vLLM; the same marker ends the turn in an SFT demonstration.
+    from rlfactory_megatron.models.tiny_tokenizer import LLAMA3_TEMPLATE
+    from rlfactory_megatron.rollout.engines import VLLMEngine
+    from rlfactory_megatron.trainer.data import PromptRecord
+    from rlfactory_megatron.trainer.sft import demonstration_rows
+
+    corpus = [LLAMA_CALL_JSON, ANSWER, "What is 12 times 7?"]
+    tokenizer = train_chat_tokenizer(LLAMA3_TEMPLATE, eos="<|eot_id|>", bos="<|begin_of_text|>", corpus=corpus,
+                                     vocab_size=400, split_words=False)
+    # The system prompt already says "ipython": the marker of a call made is the call's own end.
+    hf_dir = make_scripted_model(tmp_path / "scripted_llama", tokenizer, "llama", LLAMA_CALL_TURN, LLAMA_ANSWER_TURN,
+                                 marker="<|eom_id|>", prompt_end="\n\n", answer_after_call=True)
+    calculator = asyncio.run(ToolBox.build(parse_tool_specs([{"class": "calculator"}])))
+    manager = get_tool_manager("llama3", tokenizer, tool_names=["calculator"])
+    prompt = manager.render_prompt([{"role": "user", "content": "What is 12 times 7?"}], calculator.schemas())
+    engine = VLLMEngine(str(hf_dir), max_model_len=1024, max_num_seqs=4)
+
+    async def rollout(stop_token_ids):
+        adapter = AsyncBatchingEngine(engine, window_s=0.01)
+        config = {"temperature": 0.0, "max_tokens": 32, "stop_token_ids": stop_token_ids}
+        try:
+            return await run_agent_loop(prompt, adapter, manager, calculator.run, config, AgentLoopConfig())
+        finally:
+            await adapter.close()
+
+    try:
+        traj = asyncio.run(rollout(manager.stop_token_ids()))
+        eot_only = asyncio.run(rollout([tokenizer.convert_tokens_to_ids("<|eot_id|>")]))
+    finally:
+        engine.close()
+    call_ids = tokenizer.encode(LLAMA_CALL_TURN, add_special_tokens=False)
+    answer_ids = tokenizer.encode(LLAMA_ANSWER_TURN, add_special_tokens=False)
+    obs_ids = manager.render_observation(["84"])
+    assert traj.stop_reason == "answer" and traj.final_content == ANSWER and len(traj.turns) == 2
+    assert traj.response_ids == call_ids + obs_ids + answer_ids
+    assert traj.turns[0].tool_calls[0].observation == "84" and not traj.turns[0].parse_errors
+    # Without <|eom_id|> among the stops the first turn runs on into the answer: the test can fail.
+    assert eot_only.response_ids[: len(call_ids) + 1] == call_ids + answer_ids[:1]
+    # A demonstration of the same conversation is the same tokens, trained where the model wrote.
+    messages = [{"role": "user", "content": "What is 12 times 7?"}]
+    demonstration = [{"role": "assistant", "content": f"<|python_tag|>{LLAMA_CALL_JSON}"},
+                     {"role": "tool", "content": "84"}, {"role": "assistant", "content": ANSWER}]
+    [(ids, mask)] = demonstration_rows([PromptRecord(messages, "84", demonstration=demonstration)], manager,
+                                       calculator.schemas(), 1024)
+    assert ids == prompt + traj.response_ids and mask == [0] * len(prompt) + traj.loss_mask

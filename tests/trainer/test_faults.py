@@ -29,6 +29,8 @@ def test_a_run_with_faulty_tools_and_rewards_trains_to_the_end(tmp_path):
         for key in ("actor/pg_loss", "actor/entropy_old", "actor/grad_norm", "reward/score/mean"):
             assert math.isfinite(r[key]), (r["step"], key, r[key])
         assert r["actor/skipped_steps"] == 0  # no NaN reached the loss
+        # Hung samples run out their timeout (2 s) concurrently, each in a scoring process of its own.
+        assert r["time/reward_wait_s"] < 2 + 4, (r["step"], r["time/reward_wait_s"])
         assert r["reward/errors"] == sum(r[f"reward/errors/{k}"] for k in ("raised", "invalid", "timeout", "crashed"))
     total = {key: sum(r[key] for r in steps) for key in steps[0] if key.startswith(("reward/errors/", "tools/errors/"))}
     for kind in ("raised", "invalid", "timeout", "crashed"):  # NaN, inf and the string are 'invalid'
