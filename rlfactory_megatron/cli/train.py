@@ -10,16 +10,27 @@ import sys
 from pathlib import Path
 
 
-def _train_rank(config_file: str, hf_dir: str, verbose: bool) -> dict:
-    from rlfactory_megatron.config import load_config
+def _train_rank(config_yaml: str, hf_dir: str, verbose: bool) -> dict:
+    from rlfactory_megatron.config import config_from_yaml
     from rlfactory_megatron.runtime.console import library_output_to
     from rlfactory_megatron.runtime.launch_env import detect_launch_env
 
-    cfg = load_config(config_file)
-    rank = detect_launch_env().rank
+    cfg = config_from_yaml(config_yaml)
+    launch = detect_launch_env()
+    rank = launch.rank
     log = Path(cfg.trainer.output_dir) / "logs" / f"rank{rank:05d}.log"
-    with library_output_to(log, enabled=not verbose):
-        return _train(cfg, hf_dir)
+    try:
+        with library_output_to(log, enabled=not verbose):
+            return _train(cfg, hf_dir)
+    except Exception as exc:
+        if launch.world_size <= 1:
+            raise  # main() reports it
+        # The other ranks then fail on a collective ("Connection closed by peer"); this line says
+        # which rank failed first and why, and where its libraries' output (the root cause of an
+        # engine that failed to start, say) was written.
+        print(f"rlf-train: rank {rank} failed: {type(exc).__name__}: {str(exc).strip()[:500]}"
+              + ("" if verbose else f" (its log: {log})"), file=sys.stderr, flush=True)
+        raise
 
 
 def _train(cfg, hf_dir: str) -> dict:
@@ -64,29 +75,31 @@ def main(argv: list[str] | None = None) -> int:
     from rlfactory_megatron.trainer.presets import apply_preset
 
     try:
+        launch = detect_launch_env()
         cfg = load_config(args.config, args.overrides)
         _, implied = apply_preset(cfg)  # written into config.yaml, so every rank and a resume see them
-        if implied:
+        if implied and launch.rank == 0:
             print(f"rlf-train: {cfg.trainer.algorithm} implies {', '.join(implied)}")
         if args.print_config:
             print(to_yaml(cfg))
             return 0
         hf_dir = resolve_model_path(cfg.model.path)
         arch = load_arch(hf_dir)
-        launch = detect_launch_env()
         world = launch.world_size if launch.launcher != "single" else cfg.parallel.tp * cfg.parallel.pp
         validate_against_model(cfg, arch, world)
         output = Path(cfg.trainer.output_dir)
         output.mkdir(parents=True, exist_ok=True)
-        config_file = output / "config.yaml"  # the run's full config, also what every rank loads
-        if launch.rank == 0:
-            config_file.write_text(to_yaml(cfg))
-        print(f"rlf-train: {cfg.trainer.algorithm} on {arch.model_type} ({arch.num_layers} layers) from {hf_dir}; "
-              f"tp={cfg.parallel.tp} pp={cfg.parallel.pp} on {world} rank(s); outputs in {output.resolve()}")
+        # The run's full config: every rank trains on this text (under a launcher each rank made
+        # the same; reading rank 0's file would race its writing), rank 0 keeps it for the record.
+        config_yaml = to_yaml(cfg)
         verbose = args.verbose or verbose_requested()
-        if not verbose and launch.rank == 0:
-            print(f"rlf-train: library output goes to {output / 'logs'} (--verbose shows it here)")
-        results = run_as_job(_train_rank, cfg.parallel.tp * cfg.parallel.pp, str(config_file), str(hf_dir), verbose)
+        if launch.rank == 0:
+            (output / "config.yaml").write_text(config_yaml)
+            print(f"rlf-train: {cfg.trainer.algorithm} on {arch.model_type} ({arch.num_layers} layers) from {hf_dir}; "
+                  f"tp={cfg.parallel.tp} pp={cfg.parallel.pp} on {world} rank(s); outputs in {output.resolve()}")
+            if not verbose:
+                print(f"rlf-train: library output goes to {output / 'logs'} (--verbose shows it here)")
+        results = run_as_job(_train_rank, cfg.parallel.tp * cfg.parallel.pp, config_yaml, str(hf_dir), verbose)
     except (ConfigError, UnsupportedCheckpointError, ValueError) as exc:
         print(f"rlf-train: error: {exc}", file=sys.stderr)
         return 2

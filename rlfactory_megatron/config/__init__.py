@@ -68,6 +68,16 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     return cfg
 
 
+def config_from_yaml(text: str) -> RLFConfig:
+    """A whole config as `to_yaml` wrote it (what rlf-train hands each of its ranks), validated."""
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(RLFConfig), OmegaConf.create(text))
+    except OmegaConfBaseException as exc:
+        raise ConfigError(_explain(exc)) from None
+    validate_static(cfg)
+    return cfg
+
+
 def _load_yaml(path: str | Path):
     """A YAML file as a config node; a syntax error names the file, line and column."""
     import yaml

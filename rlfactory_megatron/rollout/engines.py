@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -66,6 +67,11 @@ def build_engine(name: str, hf_dir: str, **kwargs) -> RolloutEngine:
     return ROLLOUT_ENGINES.get(name)(hf_dir, **kwargs)
 
 
+def _numa_nodes() -> int:
+    """NUMA nodes of this machine (1 where the kernel does not say)."""
+    return max(1, len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))))
+
+
 @ROLLOUT_ENGINES.register("vllm")
 class VLLMEngine:
     """vLLM's in-process engine over token ids (no tokenizer needed), fp32 on CPU by default."""
@@ -92,6 +98,10 @@ class VLLMEngine:
         # The names and shapes a sync must deliver: those of the checkpoint the engine started from.
         self._weight_shapes = {name: reader.shape(name) for name in reader.names()}
         on_cpu = not torch.cuda.is_available()
+        if on_cpu and tensor_parallel_size > _numa_nodes():
+            # vLLM's CPU workers pin their threads one NUMA node per TP rank ("auto") and refuse to
+            # start with fewer nodes; unpinned, the TP ranks share the node's cores.
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         # On CPU, vLLM rewinds a seeded request's generator after a partial (chunked) prefill with
         # an offset CPU generators do not have ("CPU Generator does not use offset"): prompts are
         # prefilled whole there, so per-request seeds work.

@@ -63,6 +63,17 @@ def test_two_engines_fed_by_one_model_parallel_group(tmp_path, layout):
     assert len(list((tmp_path / "run" / "cache" / "rollouts").iterdir())) == 2
 
 
+def test_one_tensor_parallel_engine_across_a_tensor_parallel_group(tmp_path):
+    # rollout.tp=2 under torchrun: one vLLM engine with two TP workers of its own (on a CPU with
+    # one NUMA node their threads go unpinned), fed by the TP group's two ranks.
+    out = torchrun_train(tmp_path, "run", 2, "parallel.tp=2", "rollout.tp=2", *RUN)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("rlf-train: grpo on") == 1  # rank 0 speaks for the job
+    run = records(tmp_path / "run")
+    _assert_every_engine_generated(run, 1)
+    assert [p.name for p in (tmp_path / "run" / "cache" / "rollouts").iterdir()] == ["shard-00000-of-00001.h5"]
+
+
 def test_a_killed_two_engine_run_resumes_exactly(tmp_path):
     steps = ("trainer.total_steps=4", "trainer.save_every=2", "parallel.tp=2", "actor.mini_batch_size=2",
              "trainer.val_every=0")
