@@ -14,7 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlfactory_megatron.actor.batch import MicroBatchPlan, PackedMicroBatch, RolloutBatch, plan_micro_batches
+from rlfactory_megatron.actor.batch import (MicroBatchPlan, PackedMicroBatch, RolloutBatch, local_cuts, pack_plan,
+                                            plan_micro_batches)
 from rlfactory_megatron.actor.engine import MegatronEngine
 from rlfactory_megatron.algorithms import clipped_value_loss, compute_policy_loss, kl_penalty
 from rlfactory_megatron.algorithms.aggregation import aggregate_loss
@@ -39,7 +40,20 @@ def _dp() -> tuple[int, int]:
 
 def _plan(batch: RolloutBatch, max_tokens: int) -> MicroBatchPlan:
     rank, size = _dp()
-    return plan_micro_batches(batch, max_tokens, rank, size)
+    if not batch.dp_local:  # the whole batch on every rank: each takes its share
+        return plan_micro_batches(batch, max_tokens, rank, size)
+    # This DP rank's rows only: the ranks agree on the count of micro-batches and their padded
+    # length (max) and on the mini-batch's normalizers (sum), as if they had cut one batch.
+    cuts, shape = local_cuts(batch, max_tokens)
+    agreed = torch.tensor(shape, dtype=torch.int64)
+    if size > 1:
+        group = _parallel().get_data_parallel_group(with_context_parallel=False)
+        maxed, summed = agreed[:2].clone(), agreed[2:].clone()
+        dist.all_reduce(maxed, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(summed, group=group)
+        agreed = torch.cat([maxed, summed])
+    steps, longest, tokens, sequences = (int(v) for v in agreed)
+    return pack_plan(batch, cuts, steps, longest, tokens, sequences)
 
 
 def _agg_options(plan: MicroBatchPlan, mode: str, norm_length: int | None) -> dict[str, Any]:
@@ -56,10 +70,11 @@ def _undo_schedule_averaging(loss: torch.Tensor, plan: MicroBatchPlan) -> torch.
     return loss * len(plan.micro_batches) * _dp()[1]
 
 
-def _from_last_stages(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum over DP ranks of values held by each DP rank's last pipeline stage, then share with all stages."""
+def _from_last_stages(tensor: torch.Tensor, over_dp: bool = True) -> torch.Tensor:
+    """Sum over DP ranks (unless not `over_dp`) of values held by each DP rank's last pipeline
+    stage, then share with all stages."""
     ps = _parallel()
-    if ps.get_data_parallel_world_size() > 1:
+    if over_dp and ps.get_data_parallel_world_size() > 1:
         dist.all_reduce(tensor, group=ps.get_data_parallel_group())
     if ps.get_pipeline_model_parallel_world_size() > 1:
         last = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())[-1]
@@ -73,15 +88,21 @@ def _slice(tensor: torch.Tensor, rows: list[int], width: int, device: torch.devi
 
 
 def gather_token_values(batch: RolloutBatch, outputs: list[dict[str, Any]], key: str) -> torch.Tensor:
-    """[B, T] tensor on every rank from the per-micro-batch outputs (each row computed by one DP rank)."""
+    """[B, T] tensor from the per-micro-batch outputs, on every rank that holds the batch (each
+    row computed by one DP rank: its DP rank alone holds a DP-local batch's rows)."""
     result = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
     for out in outputs:
         values = out[key]
         result[out["rows"], : values.shape[1]] = values.float().cpu()
-    return _from_last_stages(result) * (batch.loss_mask > 0)
+    return _from_last_stages(result, over_dp=not batch.dp_local) * (batch.loss_mask > 0)
 
 
 def mini_batches(batch: RolloutBatch, size: int) -> list[RolloutBatch]:
+    """Consecutive `size` rows of the step's batch; of a DP-local batch, this rank's rows of each
+    (possibly none: every DP rank takes part in every optimizer step)."""
+    if batch.dp_local:
+        return [batch.select(torch.nonzero((batch.step_rows >= i) & (batch.step_rows < i + size)).flatten())
+                for i in range(0, batch.step_size, size)]
     return [batch.select(list(range(i, min(i + size, batch.batch_size)))) for i in range(0, batch.batch_size, size)]
 
 
@@ -214,8 +235,8 @@ class Actor(PolicyModel):
         """One PPO update; returns averaged metrics (same on every rank)."""
         if batch.advantages is None:
             raise ValueError("actor update needs advantages on the batch")
-        if batch.old_log_probs is None and not self.updates_on_policy(batch.batch_size):
-            raise ValueError(f"actor update needs old_log_probs on the batch: {batch.batch_size} rows take more than "
+        if batch.old_log_probs is None and not self.updates_on_policy(batch.total_rows):
+            raise ValueError(f"actor update needs old_log_probs on the batch: {batch.total_rows} rows take more than "
                              f"one optimizer step (actor.ppo_epochs={self.cfg.ppo_epochs}, "
                              f"actor.mini_batch_size={self.cfg.mini_batch_size})")
         if self.cfg.kl_loss_coef > 0 and batch.ref_log_probs is None:
@@ -248,9 +269,10 @@ class Critic:
     """Value model (LM trunk + [hidden -> 1] head) with the clipped value loss."""
 
     def __init__(self, critic_cfg, actor_cfg, arch: ModelArch, hf_dir: str | None, build: BuildOptions,
-                 total_steps: int) -> None:
+                 total_steps: int, norm_length: int | None = None) -> None:
         self.cfg = critic_cfg
         self.actor_cfg = actor_cfg
+        self.norm_length = norm_length  # seq-mean-token-sum-norm's constant (the actor's)
         self.max_tokens = actor_cfg.max_tokens_per_microbatch
         self.engine = MegatronEngine(arch, hf_dir, replace(build, value_head=True), critic_cfg.optim, total_steps)
 
@@ -264,7 +286,10 @@ class Critic:
 
     def _loss_fn(self, mini: RolloutBatch, plan: MicroBatchPlan):
         mode = self.actor_cfg.loss_agg_mode
-        agg = _agg_options(plan, mode, None if mode != "seq-mean-token-sum-norm" else mini.input_ids.shape[1])
+        # A constant length for seq-mean-token-sum-norm: a mini-batch's own width differs between
+        # DP ranks holding different rows.
+        length = self.norm_length or mini.input_ids.shape[1]
+        agg = _agg_options(plan, mode, None if mode != "seq-mean-token-sum-norm" else length)
 
         def loss_fn(mb: PackedMicroBatch, values: torch.Tensor):
             if not mb.rows:
@@ -324,6 +349,10 @@ def _run_updates(engine: MegatronEngine, batch: RolloutBatch, epochs: int, mini_
     if ps.get_pipeline_model_parallel_world_size() > 1:
         last = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())[-1]
         dist.broadcast_object_list(keys, src=last, group=ps.get_pipeline_model_parallel_group())
+    if ps.get_data_parallel_world_size() > 1:  # a DP rank that held no rows has no metrics of its own
+        every: list = [None] * ps.get_data_parallel_world_size()
+        dist.all_gather_object(every, keys[0], group=ps.get_data_parallel_group())
+        keys = [sorted(set().union(*every))]
     values = _from_last_stages(torch.tensor([sums.get(k, 0.0) for k in keys[0]] + [tokens], dtype=torch.float64))
     total_tokens = float(values[-1])
     metrics = {k: float(v) / (updates if k.endswith(_SHARE_METRICS) else max(total_tokens, 1.0))

@@ -31,14 +31,22 @@ class RolloutBatch:
     token_rewards: Optional[torch.Tensor] = None
     advantages: Optional[torch.Tensor] = None
     returns: Optional[torch.Tensor] = None
+    # A DP-local batch holds only the rows one DP rank trains on: `step_rows` [B] is each row's
+    # index in the step's whole batch of `step_size` rows (it may hold none of them).
+    step_rows: Optional[torch.Tensor] = None
+    step_size: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {list(self.input_ids.shape)}")
         b, t = self.input_ids.shape
-        if self.lengths.shape != (b,) or b == 0 or int(self.lengths.max()) > t or int(self.lengths.min()) < 1:
+        if self.lengths.shape != (b,) or (b == 0 and not self.dp_local):
             raise ValueError("lengths must be [batch] with 1 <= length <= input_ids.shape[1]")
+        if b and (int(self.lengths.max()) > t or int(self.lengths.min()) < 1):
+            raise ValueError("lengths must be [batch] with 1 <= length <= input_ids.shape[1]")
+        if self.dp_local and (self.step_rows.shape != (b,) or self.step_size < b):
+            raise ValueError(f"step_rows must be [batch] indices into the step's {self.step_size} rows")
         for name in TOKEN_FIELDS:
             value = getattr(self, name)
             if value is not None and value.shape != (b, t):
@@ -52,9 +60,18 @@ class RolloutBatch:
     def batch_size(self) -> int:
         return self.input_ids.shape[0]
 
+    @property
+    def dp_local(self) -> bool:
+        return self.step_rows is not None
+
+    @property
+    def total_rows(self) -> int:
+        """Rows of the whole step's batch, on all DP ranks together."""
+        return self.step_size if self.dp_local else self.batch_size
+
     def select(self, rows: torch.Tensor | list[int]) -> "RolloutBatch":
         rows = torch.as_tensor(rows, dtype=torch.long)
-        width = int(self.lengths[rows].max())
+        width = int(self.lengths[rows].max()) if len(rows) else 1
         updates = {}
         for f in fields(self):
             value = getattr(self, f.name)
@@ -78,6 +95,19 @@ def balanced_partition(lengths: list[int], parts: int) -> list[list[int]]:
         groups[target].append(row)
         loads[target] += lengths[row]
     return [sorted(g) for g in groups]
+
+
+def dp_row_owners(lengths: list[int], mini_batch_size: int, dp_size: int) -> list[int]:
+    """The DP rank that trains each row of a step: every mini-batch (`mini_batch_size`
+    consecutive rows) split across the DP ranks by tokens, as `plan_micro_batches` splits it.
+    A row's owner computes its log-probs, values and update, so its tokens go there alone."""
+    owners = [0] * len(lengths)
+    for start in range(0, len(lengths), mini_batch_size):
+        rows = range(start, min(start + mini_batch_size, len(lengths)))
+        for rank, part in enumerate(balanced_partition([lengths[r] for r in rows], dp_size)):
+            for i in part:
+                owners[rows[i]] = rank
+    return owners
 
 
 def cut_by_token_budget(lengths: list[int], rows: list[int], max_tokens: int) -> list[list[int]]:
@@ -206,17 +236,41 @@ def plan_micro_batches(batch: RolloutBatch, max_tokens: int, dp_rank: int, dp_si
     number of micro-batches (empty cuts get a padding-only micro-batch).
     """
     lengths = [int(n) for n in batch.lengths]
-    if max(lengths) > max_tokens:
-        raise ValueError(f"a sequence of {max(lengths)} tokens exceeds actor.max_tokens_per_microbatch={max_tokens}; "
-                         "raise it or lower rollout.max_prompt_tokens + rollout.max_response_tokens")
+    _check_fits(lengths, max_tokens)
     per_rank = [cut_by_token_budget(lengths, rows, max_tokens) for rows in balanced_partition(lengths, dp_size)]
     steps = max(len(cuts) for cuts in per_rank)
     longest = max(sum(lengths[r] for r in cut) for cuts in per_rank for cut in cuts)
-    padded = -(-longest // pad_to_multiple) * pad_to_multiple
-    mine = per_rank[dp_rank] + [[]] * (steps - len(per_rank[dp_rank]))
-    micro = [pack_rows(batch, cut, padded) if cut else _padding_only(padded) for cut in mine]
     mask = batch.loss_mask > 0
-    return MicroBatchPlan(micro, padded, int(mask.sum()), int(mask.any(-1).sum()))
+    return pack_plan(batch, per_rank[dp_rank], steps, longest, int(mask.sum()), int(mask.any(-1).sum()),
+                     pad_to_multiple)
+
+
+def local_cuts(batch: RolloutBatch, max_tokens: int) -> tuple[list[list[int]], list[int]]:
+    """A DP-local batch's micro-batch cuts, and [cuts, longest cut, loss tokens, trained
+    sequences]: what the DP ranks agree on (max, max, sum, sum) before `pack_plan`."""
+    lengths = [int(n) for n in batch.lengths]
+    if not lengths:
+        return [], [0, 0, 0, 0]
+    _check_fits(lengths, max_tokens)
+    cuts = cut_by_token_budget(lengths, list(range(len(lengths))), max_tokens)
+    mask = batch.loss_mask > 0
+    return cuts, [len(cuts), max(sum(lengths[r] for r in cut) for cut in cuts), int(mask.sum()),
+                  int(mask.any(-1).sum())]
+
+
+def pack_plan(batch: RolloutBatch, cuts: list[list[int]], steps: int, longest: int, num_tokens: int,
+              num_sequences: int, pad_to_multiple: int = 8) -> MicroBatchPlan:
+    """This rank's `cuts` packed to one padded length, padded to `steps` micro-batches."""
+    padded = -(-max(longest, 1) // pad_to_multiple) * pad_to_multiple
+    mine = cuts + [[]] * (steps - len(cuts))
+    micro = [pack_rows(batch, cut, padded) if cut else _padding_only(padded) for cut in mine]
+    return MicroBatchPlan(micro, padded, num_tokens, num_sequences)
+
+
+def _check_fits(lengths: list[int], max_tokens: int) -> None:
+    if max(lengths) > max_tokens:
+        raise ValueError(f"a sequence of {max(lengths)} tokens exceeds actor.max_tokens_per_microbatch={max_tokens}; "
+                         "raise it or lower rollout.max_prompt_tokens + rollout.max_response_tokens")
 
 
 def _padding_only(padded_length: int) -> PackedMicroBatch:

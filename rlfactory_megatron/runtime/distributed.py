@@ -52,7 +52,9 @@ def init_distributed(
         enable_cpu_compat()
     if not dist.is_initialized():
         dist.init_process_group(
-            backend="nccl" if on_gpu else "gloo",
+            # On GPU, NCCL for device tensors and gloo for host ones (the trainer's small CPU
+            # reductions: plan shapes, metrics, log-prob gathers) on every group megatron makes.
+            backend="cpu:gloo,cuda:nccl" if on_gpu else "gloo",
             init_method=f"tcp://{launch.master_addr}:{launch.master_port or free_port()}",
             rank=launch.rank,
             world_size=world,

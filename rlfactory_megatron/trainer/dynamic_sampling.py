@@ -32,7 +32,7 @@ def informative_rollouts(plane: RolloutPlane, draw: Callable[[], list[PromptReco
         # Further rows are numbered on, so their sampling seeds never repeat the step's earlier ones.
         rollouts = plane.rollout(draw(), step, first_row=seen * group_size)
     if not kept:
-        kept = [(rollouts, list(range(len(rollouts.rows))))]
+        kept = [(rollouts, list(range(len(rollouts.summaries))))]
     final = Rollouts.of_rows(kept)
     final.extra_stats.update({"rollout/groups_kept": float(groups), "rollout/groups_seen": float(seen),
                               "rollout/refill_rounds": float(rounds)})

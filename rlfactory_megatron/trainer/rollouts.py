@@ -1,8 +1,11 @@
 """The rollout side of a step, on every inference group: one engine per `rollout.tp` training
 ranks (colocated), a step's prompts split across them, the agent loop with tools on each engine's
-process, each process scoring and storing its own rows, and the gather that gives every rank the
-step's rows in one order: the order one engine would have produced them in. Seeds come from (run
-seed, step, row), so a run's samples do not depend on how many engines generate them.
+process, each process scoring and storing its own rows. Trajectories stay where they were made:
+every rank learns only each row's size and counts (`RowSummary`), and each row's tokens go
+point to point from the process that made it to the ranks of the one DP rank that trains it
+(`RolloutPlane.place`). Rows are numbered in the order one engine would have produced them;
+seeds come from (run seed, step, row), so a run's samples do not depend on how many engines
+generate them.
 """
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from rlfactory_megatron.actor.batch import RolloutBatch
+from rlfactory_megatron.actor.batch import RolloutBatch, dp_row_owners
 from rlfactory_megatron.trainer.data import PromptRecord
 from rlfactory_megatron.trainer.tasks import TASKS
 
@@ -51,17 +55,31 @@ class EngineLayout:
 
 
 @dataclass
+class RowSummary:
+    """What every rank knows of one trajectory: where it was made, its size, what it did."""
+
+    row: int
+    engine: int
+    prompt_tokens: int
+    response_tokens: int
+    turns: int
+    tool_calls: int
+    tool_errors: dict[str, int] = field(default_factory=dict)  # failed calls by error_kind; parse errors as "malformed_call"
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.response_tokens
+
+
+@dataclass
 class RowData:
-    """What the other ranks need of one trajectory (its turns, tool calls and text stay where it was made)."""
+    """One trajectory's tokens, as the ranks that train on it need them."""
 
     row: int
     prompt_ids: np.ndarray
     response_ids: np.ndarray
     loss_mask: np.ndarray
     log_probs: np.ndarray  # the engine's, of the generated tokens (0 on observation tokens)
-    turns: int
-    tool_calls: int
-    tool_errors: dict[str, int] = field(default_factory=dict)  # failed calls by error_kind; parse errors as "malformed_call"
 
 
 # Tool failures counted per kind in the metrics (tools/errors/<kind>); others count as "other".
@@ -83,9 +101,9 @@ def _tool_errors(traj) -> dict[str, int]:
 
 @dataclass
 class Rollouts:
-    """One rollout phase as every rank sees it: all rows in order, plus what this process made."""
+    """One rollout phase: every row's summary (on every rank), the trajectories this process made."""
 
-    rows: list[RowData]
+    summaries: list[RowSummary]
     records: list[PromptRecord]  # one per row (a prompt repeated n times)
     group_size: int
     engine_stats: list[dict[str, float]]  # one per engine
@@ -94,28 +112,20 @@ class Rollouts:
     reward: Any = None  # RewardResult of all rows, once gathered
     extra_stats: dict[str, float] = field(default_factory=dict)  # e.g. dynamic sampling's refill counts
 
-    @property
-    def batch(self) -> RolloutBatch:
-        ids = [np.concatenate([r.prompt_ids, r.response_ids]).tolist() for r in self.rows]
-        masks = [[0] * len(r.prompt_ids) + r.loss_mask.tolist() for r in self.rows]
-        return pad_rows(ids, masks, self.group_size)
-
-    def engine_log_probs(self, shape: torch.Size) -> torch.Tensor:
-        """[B, T] of the engine's log-probs, aligned to the batch's tokens."""
-        out = torch.zeros(shape)
-        for i, r in enumerate(self.rows):
-            start = len(r.prompt_ids)
-            out[i, start:start + len(r.log_probs)] = torch.from_numpy(r.log_probs.astype(np.float32))
-        return out
+    def row_data(self, row: int) -> RowData:
+        traj, _ = self.local[row]
+        return RowData(row, np.asarray(traj.prompt_ids, dtype=np.int64), np.asarray(traj.response_ids, dtype=np.int64),
+                       np.asarray(traj.loss_mask, dtype=np.int8), np.asarray(traj.logprobs, dtype=np.float32))
 
     def stats(self) -> dict[str, float]:
-        calls = sum(r.tool_calls for r in self.rows)
-        metrics = {"rollout/response_tokens_mean": float(np.mean([len(r.response_ids) for r in self.rows])),
-                   "rollout/turns_mean": float(np.mean([r.turns for r in self.rows])),
-                   "rollout/tool_calls_per_sample": calls / len(self.rows),
+        rows = self.summaries
+        calls = sum(r.tool_calls for r in rows)
+        metrics = {"rollout/response_tokens_mean": float(np.mean([r.response_tokens for r in rows])),
+                   "rollout/turns_mean": float(np.mean([r.turns for r in rows])),
+                   "rollout/tool_calls_per_sample": calls / len(rows),
                    "rollout/num_engines": float(len(self.engine_stats))}
         for kind in (*TOOL_ERROR_KINDS, "other"):
-            metrics[f"tools/errors/{kind}"] = float(sum(r.tool_errors.get(kind, 0) for r in self.rows))
+            metrics[f"tools/errors/{kind}"] = float(sum(r.tool_errors.get(kind, 0) for r in rows))
         metrics["tools/errors"] = sum(metrics[f"tools/errors/{kind}"] for kind in (*TOOL_ERROR_KINDS, "other"))
         for index, engine in enumerate(self.engine_stats):
             metrics.update({f"rollout/engine_{index}_{k}": v for k, v in engine.items()})
@@ -129,34 +139,46 @@ class Rollouts:
         """The given rows of one or more rollouts, in order, as one (rows renumbered from 0)."""
         from rlfactory_megatron.rewards.records import RewardResult
 
-        rows, records, local, rewards = [], [], {}, []
+        summaries, records, local, rewards = [], [], {}, []
         for part, picked in parts:
             for index in picked:
-                position = len(rows)
-                source = part.rows[index]
-                rows.append(dataclasses.replace(source, row=position))
+                position = len(summaries)
+                summaries.append(dataclasses.replace(part.summaries[index], row=position))
                 records.append(part.records[index])
-                if source.row in part.local:
-                    local[position] = part.local[source.row]
+                if index in part.local:
+                    local[position] = part.local[index]
                 rewards.append((part.reward, index))
         engines = [{k: sum(p.engine_stats[e][k] for p, _ in parts) for k in parts[0][0].engine_stats[e]}
                    for e in range(len(parts[0][0].engine_stats))]
         reward = RewardResult([r.scores[i] for r, i in rewards], [r.response_lengths[i] for r, i in rewards],
                               [r.extras[i] for r, i in rewards], [r.errors[i] for r, i in rewards],
                               [r.error_kinds[i] for r, i in rewards])
-        return Rollouts(rows, records, parts[0][0].group_size, engines, local, reward=reward)
+        return Rollouts(summaries, records, parts[0][0].group_size, engines, local, reward=reward)
 
 
-def pad_rows(ids_list: list[list[int]], masks: list[list[int]], group_size: int = 1) -> RolloutBatch:
-    width = max(len(ids) for ids in ids_list)
+@dataclass
+class TrainRows:
+    """The rows one DP rank trains on (a DP-local batch) and the engines' log-probs of them."""
+
+    batch: RolloutBatch
+    engine_log_probs: torch.Tensor  # [B, T], aligned to the batch's tokens
+
+
+def pad_rows(ids_list: list[list[int]], masks: list[list[int]], group_size: int = 1,
+             step_rows: list[int] | None = None, step_size: int = 0) -> RolloutBatch:
+    """Rows as one right-padded batch; with `step_rows`, a DP-local batch of those rows of the
+    step's `step_size` (group ids from the step's numbering)."""
+    width = max((len(ids) for ids in ids_list), default=1)
     ids = torch.zeros(len(ids_list), width, dtype=torch.long)
     mask = torch.zeros(len(ids_list), width)
     for row, (seq, m) in enumerate(zip(ids_list, masks)):
         ids[row, : len(seq)] = torch.tensor(seq)
         mask[row, : len(m)] = torch.tensor(m, dtype=torch.float32)
-    lengths = torch.tensor([len(seq) for seq in ids_list])
-    groups = torch.arange(len(ids_list)) // group_size
-    return RolloutBatch(ids, lengths, mask, group_ids=groups)
+    lengths = torch.tensor([len(seq) for seq in ids_list], dtype=torch.long)
+    if step_rows is None:
+        return RolloutBatch(ids, lengths, mask, group_ids=torch.arange(len(ids_list)) // group_size)
+    rows = torch.tensor(step_rows, dtype=torch.long)
+    return RolloutBatch(ids, lengths, mask, group_ids=rows // group_size, step_rows=rows, step_size=step_size)
 
 
 class RolloutPlane:
@@ -178,6 +200,13 @@ class RolloutPlane:
         self.rollout_store = self.artifacts = None
         self.tool_schemas: list[dict] | None = None
         self._asleep = False
+        # The ranks of each DP rank (all of its TP and PP ranks train on the same rows).
+        from megatron.core import parallel_state
+
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        dp_of_rank = self._gather(self.dp_rank)
+        self.ranks_of_dp = [[r for r, d in enumerate(dp_of_rank) if d == dp] for dp in range(self.dp_size)]
         self.manager = get_tool_manager(cfg.tools.format, tokenizer)
         self._loop = asyncio.new_event_loop()
         ray_join = self.broadcast(self._start_ray() if self.layout.rank == 0 else None)
@@ -199,6 +228,30 @@ class RolloutPlane:
         out: list[Any] = [None] * size
         dist.all_gather_object(out, obj, group=self.cpu_group if group is None else group)
         return out
+
+    def _exchange(self, outgoing: dict[int, Any]) -> dict[int, Any]:
+        """Point to point over gloo: `outgoing[rank]` goes to that rank alone; returns {sender:
+        object} of what was sent here. One all-gather of the byte counts, then a send per pair."""
+        me, world = self.layout.rank, self.layout.world
+        received = {me: outgoing[me]} if me in outgoing else {}
+        if world == 1:
+            return received
+        payloads = {dst: torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)),
+                                          dtype=torch.uint8)
+                    for dst, obj in outgoing.items() if dst != me}
+        sizes = torch.zeros(world, dtype=torch.int64)
+        for dst, payload in payloads.items():
+            sizes[dst] = payload.numel()
+        table = [torch.zeros(world, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(table, sizes, group=self.cpu_group)
+        inbox = {src: torch.empty(int(table[src][me]), dtype=torch.uint8)
+                 for src in range(world) if src != me and int(table[src][me]) > 0}
+        requests = [dist.isend(payload, dst, group=self.cpu_group) for dst, payload in payloads.items()]
+        requests += [dist.irecv(buffer, src, group=self.cpu_group) for src, buffer in inbox.items()]
+        for request in requests:
+            request.wait()
+        received.update({src: pickle.loads(buffer.numpy().tobytes()) for src, buffer in inbox.items()})
+        return received
 
     def _start_ray(self) -> tuple[str, dict[str, str]]:
         """Rank 0: one Ray per job, the sbatch script's (RAY_ADDRESS) or a local one started here
@@ -300,10 +353,10 @@ class RolloutPlane:
         if self.layout.engine_index is not None:
             share = self.layout.share(len(records), self.layout.engine_index)
             mine = [i * n + k for i in share for k in range(n)]
-        local, rows, engine = self._generate(records, mine, n, step, greedy, first_row)
-        gathered = [part for part in self._gather((rows, engine)) if part[1] is not None]
-        all_rows = sorted((row for part, _ in gathered for row in part), key=lambda r: r.row)
-        rollouts = Rollouts(all_rows, [records[i // n] for i in range(len(records) * n)], n,
+        local, summaries, engine = self._generate(records, mine, n, step, greedy, first_row)
+        gathered = [part for part in self._gather((summaries, engine)) if part[1] is not None]
+        every_row = sorted((row for part, _ in gathered for row in part), key=lambda r: r.row)
+        rollouts = Rollouts(every_row, [records[i // n] for i in range(len(records) * n)], n,
                             [stats for _, stats in gathered], local)
         if local:
             rollouts.reward_future = self.reward_pool.submit(self._reward_samples(rollouts, sorted(local)))
@@ -334,19 +387,41 @@ class RolloutPlane:
 
         requests, busy = self.async_engine.requests, self.async_engine.busy_s
         trajectories = self._loop.run_until_complete(all_samples())
-        local, rows = {}, []
+        local, summaries = {}, []
         for row, traj in zip(mine, trajectories):
             text = self.tokenizer.decode([t for t, m in zip(traj.response_ids, traj.loss_mask) if m])
             local[row] = (traj, text)
-            rows.append(RowData(row, np.asarray(traj.prompt_ids, dtype=np.int64),
-                                np.asarray(traj.response_ids, dtype=np.int64), np.asarray(traj.loss_mask, dtype=np.int8),
-                                np.asarray(traj.logprobs, dtype=np.float32), len(traj.turns),
-                                sum(len(turn.tool_calls) for turn in traj.turns), _tool_errors(traj)))
+            summaries.append(RowSummary(row, self.layout.engine_index, len(traj.prompt_ids), len(traj.response_ids),
+                                        len(traj.turns), sum(len(turn.tool_calls) for turn in traj.turns),
+                                        _tool_errors(traj)))
         engine = {"requests": float(self.async_engine.requests - requests),
-                  "generated_tokens": float(sum(int(r.loss_mask.sum()) for r in rows)),
+                  "generated_tokens": float(sum(sum(traj.loss_mask) for traj, _ in local.values())),
                   "busy_s": self.async_engine.busy_s - busy,
                   "weight_version": float(self.transport.served_version)}
-        return local, rows, engine
+        return local, summaries, engine
+
+    def place(self, rollouts: Rollouts) -> TrainRows:
+        """This DP rank's rows, from the processes that made them: each row goes point to point to
+        the ranks of the DP rank that trains it (`dp_row_owners`: each mini-batch split by
+        tokens), and nowhere else."""
+        owners = self.row_owners(rollouts)
+        outgoing: dict[int, list[RowData]] = {}
+        for row in sorted(rollouts.local):
+            for rank in self.ranks_of_dp[owners[row]]:
+                outgoing.setdefault(rank, []).append(rollouts.row_data(row))
+        rows = sorted((data for part in self._exchange(outgoing).values() for data in part), key=lambda d: d.row)
+        batch = pad_rows([np.concatenate([r.prompt_ids, r.response_ids]).tolist() for r in rows],
+                         [[0] * len(r.prompt_ids) + r.loss_mask.tolist() for r in rows], rollouts.group_size,
+                         step_rows=[r.row for r in rows], step_size=len(rollouts.summaries))
+        engine_log_probs = torch.zeros(batch.input_ids.shape)
+        for i, r in enumerate(rows):
+            start = len(r.prompt_ids)
+            engine_log_probs[i, start:start + len(r.log_probs)] = torch.from_numpy(r.log_probs)
+        return TrainRows(batch, engine_log_probs)
+
+    def row_owners(self, rollouts: Rollouts) -> list[int]:
+        """The DP rank that trains each row of `rollouts`."""
+        return dp_row_owners([r.tokens for r in rollouts.summaries], self.cfg.actor.mini_batch_size, self.dp_size)
 
     def rewards(self, rollouts: Rollouts):
         """Every row's reward (each process scored its own rows), on every rank."""
@@ -361,7 +436,7 @@ class RolloutPlane:
         for rows, res in self._gather(part):
             for i, row in enumerate(rows):
                 by_row[row] = (res.scores[i], res.response_lengths[i], res.extras[i], res.errors[i], res.error_kinds[i])
-        ordered = [by_row[r.row] for r in rollouts.rows]
+        ordered = [by_row[r.row] for r in rollouts.summaries]
         rollouts.reward = RewardResult(*(list(column) for column in zip(*ordered)))
         return rollouts.reward
 
@@ -373,23 +448,34 @@ class RolloutPlane:
 
     def record(self, rollouts: Rollouts, batch: RolloutBatch, step: int) -> None:
         """Each engine process writes the rows it produced, as trained on, to its own shard (one
-        flushed batch), then the artifact cache's step-boundary sync among the engine processes."""
-        if self.rollout_store is None:
+        flushed batch), then the artifact cache's step-boundary sync among the engine processes.
+        `batch` is this DP rank's (DP-local): the first rank of each DP rank sends each row's
+        advantages back to the process that made the row."""
+        if not self.cfg.cache.enable:
             return
         from rlfactory_megatron.envs.storage import RolloutRecord
 
+        outgoing: dict[int, list[tuple[int, np.ndarray]]] = {}
+        if self.layout.rank == self.ranks_of_dp[self.dp_rank][0]:
+            for i, row in enumerate(batch.step_rows.tolist()):
+                summary = rollouts.summaries[row]
+                start = summary.prompt_tokens
+                advantages = batch.advantages[i, start:start + summary.response_tokens].numpy()
+                outgoing.setdefault(self.layout.owners[summary.engine], []).append((row, advantages))
+        advantages = dict(item for part in self._exchange(outgoing).values() for item in part)
+        if self.rollout_store is None:
+            return
         reward, out = rollouts.reward, []
         for row in sorted(rollouts.local):
             traj, _ = rollouts.local[row]
             record = rollouts.records[row]
-            start, count = len(traj.prompt_ids), len(traj.response_ids)
             calls = [{"turn": t, "name": c.name, "arguments": c.arguments, "observation": c.observation,
                       "is_error": c.is_error, "latency_s": c.latency_s}
                      for t, turn in enumerate(traj.turns) for c in turn.tool_calls]
             out.append(RolloutRecord(
                 step, f"{row:05d}", np.asarray(traj.prompt_ids), np.asarray(traj.response_ids),
-                np.asarray(traj.loss_mask), np.asarray(traj.logprobs),
-                batch.advantages[row, start:start + count].numpy(), float(reward.scores[row]), calls,
+                np.asarray(traj.loss_mask), np.asarray(traj.logprobs), advantages[row], float(reward.scores[row]),
+                calls,
                 {"data_source": record.data_source, "ground_truth": str(record.ground_truth),
                  "group": row // rollouts.group_size, "stop_reason": traj.stop_reason, "turns": len(traj.turns),
                  "reward_error": reward.errors[row]}))

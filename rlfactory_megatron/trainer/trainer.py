@@ -1,10 +1,12 @@
 """One RL run, readable top to bottom: `Trainer.fit()` repeats `step()`:
 
-rollout on every engine (agent loop on vLLM, tools in Ray) -> rewards (each engine's process
-scores its rows, overlapped with log-probs) -> old/ref log-probs, values -> advantages -> actor
-(+ critic) update -> weight sync to every engine -> log, validate and checkpoint. Every rank
-runs this; the rollout side (engines, their placement, the split of prompts and the gather of
-rows) is `RolloutPlane` in rollouts.py.
+rollout on every engine (agent loop on vLLM, tools in Ray) -> each DP rank receives the rows it
+trains on -> rewards (each engine's process scores its rows, overlapped with log-probs) ->
+old/ref log-probs, values -> advantages -> actor (+ critic) update -> weight sync to every
+engine -> log, validate and checkpoint. Every rank runs this on its DP rank's rows; statistics
+over the step (advantage whitening, group baselines, metrics) are reduced across DP ranks. The
+rollout side (engines, their placement, the split of prompts, the routing of rows) is
+`RolloutPlane` in rollouts.py.
 """
 from __future__ import annotations
 
@@ -55,7 +57,8 @@ class Trainer:
         self.reference = (PolicyModel(self.arch, hf_dir, build, cfg.actor.max_tokens_per_microbatch,
                                       fused_logprob=cfg.actor.use_fused_logprob, temperature=temperature)
                           if cfg.actor.kl_loss_coef > 0 else None)
-        self.critic = (Critic(cfg.critic, cfg.actor, self.arch, hf_dir, build, total)
+        self.critic = (Critic(cfg.critic, cfg.actor, self.arch, hf_dir, build, total,
+                              norm_length=cfg.rollout.max_response_tokens)
                        if self.preset.use_critic or cfg.critic.enable else None)
         self.records, self.val_records = self._load_records()
         if cfg.trainer.sft_steps > 0 and not any(r.demonstration for r in self.records):
@@ -91,12 +94,13 @@ class Trainer:
         clock = time.perf_counter()
         rollouts = self._generate()
         self.plane.sleep()  # the engines' device memory goes to training until the next sync
-        batch = rollouts.batch
+        rows = self.plane.place(rollouts)  # this DP rank's rows, and only those
+        batch = rows.batch
         timings["time/generate_s"] = time.perf_counter() - clock
 
         clock = time.perf_counter()
         old = None
-        if not self.actor.updates_on_policy(batch.batch_size):  # on-policy: the update's own forward gives them
+        if not self.actor.updates_on_policy(batch.total_rows):  # on-policy: the update's own forward gives them
             old = self.actor.compute_log_probs(batch, with_entropy=True)
             batch = batch.with_fields(old_log_probs=old["log_probs"])
         if self.reference is not None:
@@ -108,9 +112,9 @@ class Trainer:
         clock = time.perf_counter()
         reward = self.plane.rewards(rollouts)  # scored while the log-probs ran
         timings["time/reward_wait_s"] = time.perf_counter() - clock
-        token_rewards = _place_on_last_token(reward.scores, batch)
+        token_rewards = _place_on_last_token([reward.scores[row] for row in batch.step_rows.tolist()], batch)
         advantages = compute_advantages(self.preset.advantage, token_rewards, batch.loss_mask,
-                                        values=batch.values, group_index=batch.group_ids)
+                                        values=batch.values, group_index=batch.group_ids, dp_group=_dp_group())
         batch = batch.with_fields(token_rewards=token_rewards, advantages=advantages.advantages,
                                   returns=advantages.returns)
         self.plane.record(rollouts, batch, self.step_index + 1)
@@ -127,17 +131,18 @@ class Trainer:
         self._sync_weights()
         timings["time/sync_s"] = time.perf_counter() - clock
 
-        tokens = float(batch.lengths.sum())
+        tokens = float(sum(r.tokens for r in rollouts.summaries))
         step_time = sum(timings.values())
         metrics.update(timings)
         metrics.update(reward.metrics())
         metrics.update(rollouts.stats())
         mask = batch.loss_mask > 0
         if old is not None:
-            metrics["actor/entropy_old"] = float(old["entropy"][mask].mean()) if mask.any() else 0.0
-            metrics.update(_rollout_logprob_gap(rollouts.engine_log_probs(batch.input_ids.shape), old["log_probs"], mask))
+            metrics["actor/entropy_old"] = _over_dp(old["entropy"], mask)[0]
+            metrics.update(_rollout_logprob_gap(rows.engine_log_probs, old["log_probs"], mask))
         else:  # the entropy of the same policy, from the update's own forward pass
             metrics["actor/entropy_old"] = metrics["actor/entropy"]
+        metrics.update(_dp_shares(batch))
         metrics["perf/tokens_per_s"] = tokens / max(step_time, 1e-9)
         metrics["perf/step_s"] = step_time
         return metrics
@@ -229,14 +234,44 @@ class Trainer:
             self.logger.close()
 
 
+def _dp_group():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_group()
+
+
+def _over_dp(values: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
+    """(mean, max) of `values` on the masked tokens of every DP rank's rows (0, 0 if none)."""
+    kept = values[mask].double()
+    totals = torch.tensor([float(kept.sum()), float(len(kept))], dtype=torch.float64)
+    highest = torch.tensor([float(kept.max()) if len(kept) else float("-inf")], dtype=torch.float64)
+    group = _dp_group()
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(totals, group=group)
+        dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=group)
+    if totals[1] == 0:
+        return 0.0, 0.0
+    return float(totals[0] / totals[1]), float(highest[0])
+
+
+def _dp_shares(batch: RolloutBatch) -> dict[str, float]:
+    """How the step's rows came to the DP ranks: fewest and most rows one trained on, and the
+    token imbalance (most tokens / mean); from the rows each DP rank actually holds."""
+    share = torch.tensor([[batch.batch_size, int(batch.lengths.sum())]], dtype=torch.float64)
+    group = _dp_group()
+    shares = [torch.zeros_like(share) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(shares, share, group=group)
+    rows, tokens = torch.cat(shares).T
+    return {"train/dp_rows_min": float(rows.min()), "train/dp_rows_max": float(rows.max()),
+            "train/dp_token_imbalance": float(tokens.max() / tokens.mean().clamp(min=1))}
+
+
 def _rollout_logprob_gap(rollout: torch.Tensor, trainer_log_probs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """How far the rollout engines' log-probs of the sampled tokens are from the trainer's on the
     same weights: ~0 when the weights synced and the token alignment holds; a gap that grows
     means the engine samples from another policy than the one trained (off-policy drift)."""
-    if not mask.any():
-        return {}
-    gap = (trainer_log_probs - rollout).abs()[mask]
-    return {"rollout/logprob_gap_mean": float(gap.mean()), "rollout/logprob_gap_max": float(gap.max())}
+    mean, highest = _over_dp((trainer_log_probs - rollout).abs(), mask)
+    return {"rollout/logprob_gap_mean": mean, "rollout/logprob_gap_max": highest}
 
 
 def _place_on_last_token(scores: list[float], batch: RolloutBatch) -> torch.Tensor:

@@ -167,3 +167,29 @@ def non_finite_worker(hf_dir: str, tp: int, pp: int, poison: str) -> dict:
                 "refused": refused}
     finally:
         destroy_distributed()
+
+
+def dp_local_update_worker(hf_dir: str, mini_batch_size: int) -> dict:
+    """update_worker's update with each DP rank holding only the rows it trains on
+    (`dp_row_owners`), as the trainer hands them: a DP-local batch."""
+    from megatron.core import parallel_state
+
+    from rlfactory_megatron.actor.batch import dp_row_owners
+
+    init_distributed(ParallelSizes(1, 1), seed=7)
+    try:
+        cfg = actor_config(**{"actor.mini_batch_size": mini_batch_size})
+        arch = load_arch(hf_dir)
+        actor = Actor(cfg.actor, arch, hf_dir, BuildOptions(), total_steps=10)
+        full = make_batch(arch.vocab_size)
+        owners = dp_row_owners(full.lengths.tolist(), mini_batch_size, parallel_state.get_data_parallel_world_size())
+        mine = [row for row, owner in enumerate(owners) if owner == parallel_state.get_data_parallel_rank()]
+        batch = full.with_fields(step_rows=torch.arange(full.batch_size), step_size=full.batch_size).select(mine)
+        old = actor.compute_log_probs(batch, with_entropy=True)
+        batch = batch.with_fields(old_log_probs=old["log_probs"] - 0.05, ref_log_probs=old["log_probs"] + 0.1)
+        metrics = actor.update(batch)
+        weights = dict(actor.engine.iter_hf_weights())
+        return {"metrics": metrics, "weights": weights if torch.distributed.get_rank() == 0 else None,
+                "rows": mine, "old_log_probs": old["log_probs"]}
+    finally:
+        destroy_distributed()

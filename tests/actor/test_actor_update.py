@@ -49,6 +49,22 @@ def test_update_is_the_same_at_every_layout(reference, tiny_hf_dirs, tp, pp, dp)
         assert torch.allclose(r["old_log_probs"], reference["old_log_probs"], atol=1e-5)
 
 
+@pytest.mark.parametrize("mini_batch_size", [6, 3, 1])
+def test_dp_ranks_holding_only_their_rows_make_the_same_update(tiny_hf_dirs, mini_batch_size):
+    # The trainer hands each DP rank only the rows it trains on; log-probs and update equal those
+    # of one rank holding the whole batch (3 rows per mini-batch: 1 or 2 rows per DP rank; 1 row:
+    # DP rank 1 holds none at all, and still takes part in every optimizer step).
+    reference = run(tiny_hf_dirs["qwen3"], overrides={"actor.mini_batch_size": mini_batch_size})[0]
+    results = spawn_local_workers(actor_workers.dp_local_update_worker, 2, tiny_hf_dirs["qwen3"], mini_batch_size)
+    assert sorted(results[0]["rows"] + results[1]["rows"]) == list(range(6))
+    assert all(r["rows"] for r in results) == (mini_batch_size > 1)
+    assert_same_update(reference, results[0])
+    for r in results:
+        width = r["old_log_probs"].shape[1]
+        assert torch.allclose(r["old_log_probs"], reference["old_log_probs"][r["rows"], :width], atol=1e-5)
+        assert r["metrics"]["actor/pg_loss"] == pytest.approx(reference["metrics"]["actor/pg_loss"], abs=1e-5)
+
+
 @pytest.mark.parametrize("tp,pp", [(1, 1), (1, 2)])
 def test_on_policy_update_needs_no_separate_log_prob_pass(tiny_hf_dirs, tp, pp):
     # One optimizer step over the whole batch: old log-probs from the update's own forward give the

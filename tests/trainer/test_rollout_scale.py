@@ -14,7 +14,7 @@ from rlf_train_cli import (  # noqa: E402
 # mini_batch_size=2: several optimizer steps per RL step, so the trainer computes old log-probs
 # and the engines' log-probs are compared with them (rollout/logprob_gap_max) at every step.
 RUN = ("trainer.total_steps=3", "trainer.save_every=0", "actor.mini_batch_size=2", "trainer.val_every=3")
-LAYOUT_KEYS = ("rollout/engine_", "rollout/num_engines")
+LAYOUT_KEYS = ("rollout/engine_", "rollout/num_engines", "train/dp_")
 
 
 def _assert_every_engine_generated(run_records, engines: int):
@@ -37,6 +37,10 @@ def test_two_data_parallel_engines_make_the_samples_one_engine_makes(tmp_path):
     first, second = records(tmp_path / "one"), records(tmp_path / "two")
     _assert_every_engine_generated(first, 1)
     _assert_every_engine_generated(second, 2)
+    for record in second[1:]:  # each DP rank received and trained on its own part of the 4 rows
+        assert record["train/dp_rows_min"] >= 1 and record["train/dp_rows_min"] + record["train/dp_rows_max"] == 4
+        assert record["train/dp_token_imbalance"] >= 1.0
+    assert all(r["train/dp_rows_min"] == 4 for r in first[1:])
     # One shard per engine process, and together they hold each trained trajectory once.
     shards = sorted(p.name for p in (tmp_path / "two" / "cache" / "rollouts").iterdir())
     assert shards == ["shard-00000-of-00002.h5", "shard-00001-of-00002.h5"]
