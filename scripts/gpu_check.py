@@ -29,11 +29,17 @@ def cuda_and_nccl(ctx):
     import torch
     import torch.distributed as dist
 
+    from megatron.core import parallel_state
+
     assert torch.cuda.is_available(), "no CUDA device"
     tensor = torch.ones(4, device="cuda")
     dist.all_reduce(tensor)
-    assert dist.get_backend() == "nccl" and tensor.sum().item() == 4
-    return f"{torch.cuda.get_device_name(0)}, NCCL world of {dist.get_world_size()}"
+    assert "nccl" in dist.get_backend() and tensor.sum().item() == 4
+    # The trainer's host-tensor reductions (plan shapes, metrics) on megatron's groups: gloo.
+    host = torch.ones(2, dtype=torch.float64)
+    dist.all_reduce(host, group=parallel_state.get_data_parallel_group())
+    assert host.device.type == "cpu" and host.sum().item() == 2
+    return f"{torch.cuda.get_device_name(0)}, backend {dist.get_backend()}, world of {dist.get_world_size()}"
 
 
 @check

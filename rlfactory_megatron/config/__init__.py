@@ -16,7 +16,7 @@ CHOICES: dict[str, tuple] = {
     "model.layer_spec": ("auto", "local_sdpa", "local", "transformer_engine"),
     "actor.optim.lr_decay_style": ("constant", "linear", "cosine"),
     "critic.optim.lr_decay_style": ("constant", "linear", "cosine"),
-    "rollout.mode": ("colocated",),
+    "rollout.mode": ("colocated", "disaggregated"),
     "tools.channel": ("auto", "unix", "tcp"),
 }
 POSITIVE_INTS = ("parallel.tp", "parallel.pp", "rollout.n", "rollout.tp", "actor.ppo_epochs",
@@ -185,9 +185,16 @@ def _check_rewards_and_tools(cfg) -> None:
             raise ConfigError(f"tools.config_path={path}: {str(exc).splitlines()[0]}") from None
 
 
-# Which weight-sync transports each rollout mode can use: a colocated engine lives in a training
-# process, so its weights go straight to its loader.
-MODE_TRANSPORTS = {"colocated": ("in_process",)}
+# Which weight-sync transports each rollout mode can use (the first is its `auto`): a colocated
+# engine lives in a training process, so its weights go straight to its loader; disaggregated
+# engines take them through one broadcast group with the sending rank.
+MODE_TRANSPORTS = {"colocated": ("in_process",), "disaggregated": ("broadcast",)}
+
+
+def weight_sync_transport(cfg) -> str:
+    """The transport `weight_sync.transport` names, `auto` resolved for the rollout mode."""
+    name = cfg.weight_sync.transport
+    return MODE_TRANSPORTS[cfg.rollout.mode][0] if name == "auto" else name
 
 
 def _validate_rollout(cfg) -> None:
@@ -196,24 +203,39 @@ def _validate_rollout(cfg) -> None:
     from rlfactory_megatron.rollout.engines import ROLLOUT_ENGINES
     from rlfactory_megatron.rollout.weight_sync import TRANSPORTS
 
-    for key, registry in (("rollout.engine", ROLLOUT_ENGINES), ("weight_sync.transport", TRANSPORTS)):
+    for key, registry, extra in (("rollout.engine", ROLLOUT_ENGINES, ()),
+                                 ("weight_sync.transport", TRANSPORTS, ("auto",))):
         value = OmegaConf.select(cfg, key)
-        if value not in registry:
-            raise ConfigError(f"{key}='{value}' is not allowed; choose one of: {', '.join(registry)}")
+        if value not in registry and value not in extra:
+            raise ConfigError(f"{key}='{value}' is not allowed; choose one of: {', '.join([*extra, *registry])}")
     usable = MODE_TRANSPORTS[cfg.rollout.mode]
-    if cfg.weight_sync.transport not in usable:
+    if weight_sync_transport(cfg) not in usable:
         raise ConfigError(f"weight_sync.transport='{cfg.weight_sync.transport}' cannot feed rollout.mode="
-                          f"'{cfg.rollout.mode}' engines; use {' or '.join(usable)}")
+                          f"'{cfg.rollout.mode}' engines; use {' or '.join(('auto', *usable))}")
+    engines = cfg.rollout.num_engines
+    if cfg.rollout.mode == "disaggregated" and engines < 1:
+        raise ConfigError(f"rollout.num_engines={engines}: rollout.mode=disaggregated runs that many engines of "
+                          "their own; set rollout.num_engines >= 1")
+    if cfg.rollout.mode == "colocated" and engines < 0:
+        raise ConfigError(f"rollout.num_engines={engines}: must be >= 0 (colocated: 0, or world / rollout.tp)")
 
 
 def validate_against_model(cfg, arch, world_size: int) -> None:
     """Checks that need the model's shape and the job's size; run before initializing anything."""
     tp, pp, vpp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp
     # (rlf-convert checks a model layout alone: a config without a rollout section)
-    if OmegaConf.select(cfg, "rollout.mode") == "colocated" and world_size % cfg.rollout.tp != 0:
-        raise ConfigError(f"rollout.tp={cfg.rollout.tp} does not divide the world of {world_size} rank(s): colocated "
-                          f"mode runs one engine per rollout.tp ranks; use rollout.tp in "
-                          f"{{{', '.join(str(d) for d in _divisors(world_size))}}}")
+    if OmegaConf.select(cfg, "rollout.mode") == "colocated":
+        if world_size % cfg.rollout.tp != 0:
+            raise ConfigError(f"rollout.tp={cfg.rollout.tp} does not divide the world of {world_size} rank(s): "
+                              f"colocated mode runs one engine per rollout.tp ranks; use rollout.tp in "
+                              f"{{{', '.join(str(d) for d in _divisors(world_size))}}}")
+        engines = cfg.rollout.num_engines
+        if engines not in (0, world_size // cfg.rollout.tp):
+            raise ConfigError(f"rollout.num_engines={engines}: colocated mode runs world / rollout.tp = "
+                              f"{world_size // cfg.rollout.tp} engines; leave it at 0, or set "
+                              "rollout.mode=disaggregated for engines of their own")
+    if OmegaConf.select(cfg, "rollout.mode") == "disaggregated":
+        _check_engine_devices(cfg)
     if world_size % (tp * pp) != 0:
         raise ConfigError(
             f"world size {world_size} is not divisible by parallel.tp*parallel.pp={tp}*{pp}; "
@@ -229,6 +251,23 @@ def validate_against_model(cfg, arch, world_size: int) -> None:
     if arch.num_layers % stages != 0:
         raise ConfigError(f"parallel.pp*vpp={stages} does not divide the model's {arch.num_layers} layers; "
                           f"use one of {_divisors(arch.num_layers)}")
+
+
+def _check_engine_devices(cfg) -> None:
+    """Disaggregated engines need rollout.num_engines x rollout.tp devices of their own: GPUs
+    where there are (all a Ray cluster of several nodes has is only known once Ray runs: there
+    the engines wait for their resources), one CPU each on CPU."""
+    import os
+
+    import torch
+
+    engines, tp = cfg.rollout.num_engines, cfg.rollout.tp
+    if torch.cuda.is_available():
+        return
+    cpus = os.cpu_count() or 1
+    if engines * tp > cpus:
+        raise ConfigError(f"rollout.num_engines={engines} x rollout.tp={tp} engine CPUs exceed this machine's {cpus}; "
+                          f"lower rollout.num_engines")
 
 
 def _divisors(n: int) -> list[int]:

@@ -63,8 +63,11 @@ class CriticConfig:
 @dataclass
 class RolloutConfig:
     # colocated: one engine per group of rollout.tp training ranks, on their devices (world / tp
-    # engines, all generating; asleep while the model trains on GPU).
+    # engines, all generating; asleep while the model trains on GPU). disaggregated:
+    # rollout.num_engines engines in Ray actors with rollout.tp devices each of their own,
+    # behind a router on rank 0.
     mode: str = "colocated"
+    num_engines: int = 0  # disaggregated: how many (>= 1); colocated: 0 (it is world / rollout.tp)
     engine: str = "vllm"  # a name in rlfactory_megatron.rollout.engines.ROLLOUT_ENGINES
     n: int = 4
     temperature: float = 1.0
@@ -80,7 +83,8 @@ class RolloutConfig:
 @dataclass
 class WeightSyncConfig:
     bucket_mb: int = 512
-    transport: str = "in_process"  # a name in TRANSPORTS; colocated engines take in_process
+    # a name in TRANSPORTS, or auto: the mode's own (colocated: in_process, disaggregated: broadcast)
+    transport: str = "auto"
 
 
 @dataclass

@@ -1,8 +1,9 @@
-"""A vLLM engine hosted in a Ray actor (disaggregated rollout) and the broadcast transport that feeds it.
+"""vLLM engines hosted in Ray actors (disaggregated rollout) and the broadcast transport that feeds them.
 
-Weights travel over a two-member process group of their own (the sending training rank and
-the actor): gloo on CPU, NCCL on GPU. Each bucket is one flat byte buffer; its layout (names,
-dtypes, shapes) goes with the Ray call that receives it.
+Weights travel over one process group of their own: the sending training rank and every
+engine actor (gloo on CPU, NCCL on GPU), one broadcast per bucket however many engines there
+are. Each bucket is one flat byte buffer; its layout (names, dtypes, shapes) goes with the Ray
+call that receives it.
 """
 from __future__ import annotations
 
@@ -15,12 +16,12 @@ from rlfactory_megatron.rollout.engines import Generation, SamplingConfig, VLLME
 from rlfactory_megatron.rollout.weight_sync import TRANSPORTS, Transport
 
 
-def _pair_group(host: str, port: int, rank: int, backend: str, timeout_s: float):
-    """A process group of exactly two processes, independent of any torch.distributed world."""
-    store = dist.TCPStore(host, port, world_size=2, is_master=rank == 0, timeout=timedelta(seconds=timeout_s))
+def _weight_group(host: str, port: int, rank: int, size: int, backend: str, timeout_s: float):
+    """A process group of the sender (rank 0) and its engines, independent of any torch.distributed world."""
+    store = dist.TCPStore(host, port, world_size=size, is_master=rank == 0, timeout=timedelta(seconds=timeout_s))
     if backend == "nccl":
-        return dist.ProcessGroupNCCL(store, rank, 2)
-    return dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=timeout_s))
+        return dist.ProcessGroupNCCL(store, rank, size)
+    return dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout_s))
 
 
 def _broadcast_from_sender(group, tensor: torch.Tensor) -> None:
@@ -49,8 +50,8 @@ class VLLMEngineHost:
     def weight_names(self) -> dict[str, tuple[int, ...]]:
         return self.engine.weight_names()
 
-    def join_weight_group(self, host: str, port: int, backend: str, timeout_s: float) -> bool:
-        self.group = _pair_group(host, port, 1, backend, timeout_s)
+    def join_weight_group(self, host: str, port: int, rank: int, size: int, backend: str, timeout_s: float) -> bool:
+        self.group = _weight_group(host, port, rank, size, backend, timeout_s)
         return True
 
     def receive_bucket(self, layout: dict) -> int:
@@ -93,28 +94,36 @@ class RayVLLMEngine:
 
 @TRANSPORTS.register("broadcast")
 class BroadcastTransport(Transport):
-    """Sends buckets from this training rank to a RayVLLMEngine over a dedicated 2-process group."""
+    """Sends buckets from this training rank to one or more RayVLLMEngines: one group of the
+    sender and every engine, one broadcast per bucket (not one send per engine)."""
 
-    def __init__(self, engine: RayVLLMEngine, host: str = "127.0.0.1", timeout_s: float = 600.0) -> None:
+    def __init__(self, engines: RayVLLMEngine | list[RayVLLMEngine], host: str = "127.0.0.1",
+                 timeout_s: float = 600.0) -> None:
         from rlfactory_megatron.runtime.launch_env import free_port
 
-        self.engine = engine
+        self.engines = engines if isinstance(engines, list) else [engines]
+        self._ray = self.engines[0]._ray
         self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        port = free_port()
-        # Both ends must construct the group at the same time: start the remote side first.
-        joined = engine.actor.join_weight_group.remote(host, port, backend, timeout_s)
-        self.group = _pair_group(host, port, 0, backend, timeout_s)
-        engine._ray.get(joined)
+        port, size = free_port(), len(self.engines) + 1
+        # Every member must construct the group at the same time: start the remote sides first.
+        joined = [engine.actor.join_weight_group.remote(host, port, rank, size, backend, timeout_s)
+                  for rank, engine in enumerate(self.engines, start=1)]
+        self.group = _weight_group(host, port, 0, size, backend, timeout_s)
+        self._ray.get(joined)
 
     def expected_weights(self):
-        return self.engine.weight_names()
+        names = [engine.weight_names() for engine in self.engines]
+        if any(other != names[0] for other in names[1:]):
+            raise RuntimeError("the engines serve different models: their weight names or shapes differ")
+        return names[0]
 
     def send(self, bucket):
         flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket]).to(self.device)
-        received = self.engine.actor.receive_bucket.remote(_layout(bucket))
+        layout = _layout(bucket)
+        received = [engine.actor.receive_bucket.remote(layout) for engine in self.engines]
         _broadcast_from_sender(self.group, flat)
-        self.engine._ray.get(received)
+        self._ray.get(received)
 
     def finish(self):
-        self.engine._ray.get(self.engine.actor.finish_weight_update.remote())
+        self._ray.get([engine.actor.finish_weight_update.remote() for engine in self.engines])

@@ -59,7 +59,7 @@ class RowSummary:
     """What every rank knows of one trajectory: where it was made, its size, what it did."""
 
     row: int
-    engine: int
+    producer: int  # the generating process that made it and holds it (EngineLayout.engine_index)
     prompt_tokens: int
     response_tokens: int
     turns: int
@@ -148,7 +148,9 @@ class Rollouts:
                 if index in part.local:
                     local[position] = part.local[index]
                 rewards.append((part.reward, index))
-        engines = [{k: sum(p.engine_stats[e][k] for p, _ in parts) for k in parts[0][0].engine_stats[e]}
+        # Work adds up over the parts; the weight version is the one they all generated with.
+        engines = [{k: (max if k == "weight_version" else sum)(p.engine_stats[e][k] for p, _ in parts)
+                    for k in parts[0][0].engine_stats[e]}
                    for e in range(len(parts[0][0].engine_stats))]
         reward = RewardResult([r.scores[i] for r, i in rewards], [r.response_lengths[i] for r, i in rewards],
                               [r.extras[i] for r, i in rewards], [r.errors[i] for r, i in rewards],
@@ -190,13 +192,18 @@ class RolloutPlane:
         from rlfactory_megatron.envs.tool_manager import get_tool_manager
 
         self.cfg, self.hf_dir, self.tokenizer, self.output = cfg, hf_dir, tokenizer, output
-        self.layout = EngineLayout(dist.get_world_size(), cfg.rollout.tp, dist.get_rank())
+        self.disaggregated = cfg.rollout.mode == "disaggregated"
+        # Disaggregated: rank 0 drives every engine (through the router), so it is the one
+        # generating process; colocated: the first rank of each rollout.tp group.
+        self.layout = EngineLayout(dist.get_world_size(), dist.get_world_size() if self.disaggregated else cfg.rollout.tp,
+                                   dist.get_rank())
         # Python objects travel over gloo whatever the training backend (NCCL moves only device tensors).
         self.cpu_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         # Every rank creates the owners' group (torch requires it), only owners use it.
         self.owner_group = (dist.new_group(ranks=self.layout.owners, backend="gloo")
                             if self.layout.num_engines < self.layout.world else self.cpu_group)
-        self.engine = self.async_engine = self.transport = self.tool_pool = self.reward_pool = None
+        self.engine = self.router = self.transport = self.tool_pool = self.reward_pool = None
+        self.pool: list = []  # disaggregated: the engines (Ray actors)
         self.rollout_store = self.artifacts = None
         self.tool_schemas: list[dict] | None = None
         self._asleep = False
@@ -264,6 +271,8 @@ class RolloutPlane:
             address = os.environ.get("RAY_ADDRESS")
             per_engine = self.cfg.tools.num_workers + self.cfg.reward.num_workers
             needed = per_engine * self.layout.num_engines + 1
+            if self.disaggregated:
+                needed += self.cfg.rollout.num_engines * self.cfg.rollout.tp
             ray.init(address=address, num_cpus=None if address else max(needed, os.cpu_count() or 2),
                      include_dashboard=False, log_to_driver=False)
         auth = {}
@@ -281,25 +290,40 @@ class RolloutPlane:
             os.environ.setdefault(key, value)
         import ray
 
+        from rlfactory_megatron.config import weight_sync_transport
         from rlfactory_megatron.rewards import RewardFnSpec
         from rlfactory_megatron.rewards.pool import RewardPool
         from rlfactory_megatron.rollout.async_engine import AsyncBatchingEngine
         from rlfactory_megatron.rollout.engines import build_engine
+        from rlfactory_megatron.rollout.router import EngineRouter
         from rlfactory_megatron.rollout.weight_sync import TRANSPORTS
 
         cfg = self.cfg
-        with _engine_devices(self.layout):
-            self.engine = build_engine(cfg.rollout.engine, self.hf_dir, dtype=cfg.model.params_dtype,
-                                       tensor_parallel_size=cfg.rollout.tp,
-                                       max_model_len=cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens,
-                                       memory_utilization=cfg.rollout.gpu_memory_utilization, seed=cfg.trainer.seed,
-                                       enable_sleep_mode=torch.cuda.is_available())
-        self.async_engine = AsyncBatchingEngine(self.engine)
-        self.transport = TRANSPORTS.get(cfg.weight_sync.transport)(self.engine)
+        engine_args = dict(dtype=cfg.model.params_dtype, tensor_parallel_size=cfg.rollout.tp,
+                           max_model_len=cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens,
+                           memory_utilization=cfg.rollout.gpu_memory_utilization, seed=cfg.trainer.seed)
+        if self.disaggregated:
+            from rlfactory_megatron.rollout.ray_engine import RayVLLMEngine
+
+            if not ray.is_initialized():
+                ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
+            # Devices of their own (Ray resources: rollout.tp GPUs, or one CPU, each), no sleep mode.
+            gpus = cfg.rollout.tp if torch.cuda.is_available() else 0
+            self.pool = [RayVLLMEngine(self.hf_dir, num_cpus=1, num_gpus=gpus, **engine_args)
+                         for _ in range(cfg.rollout.num_engines)]
+            self.transport = TRANSPORTS.get(weight_sync_transport(cfg))(self.pool)
+            engines = self.pool
+        else:
+            with _engine_devices(self.layout):
+                self.engine = build_engine(cfg.rollout.engine, self.hf_dir, enable_sleep_mode=torch.cuda.is_available(),
+                                           **engine_args)
+            self.transport = TRANSPORTS.get(weight_sync_transport(cfg))(self.engine)
+            engines = [self.engine]
+            if not ray.is_initialized():  # after vLLM: with Ray up, its TP>1 engine would pick Ray's executor
+                ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
+        self.router = EngineRouter([AsyncBatchingEngine(engine) for engine in engines])
         if cfg.cache.enable:
             self._open_cache()
-        if not ray.is_initialized():
-            ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
         if cfg.tools.enable:
             self._start_tool_pool()
         self.reward_pool = RewardPool(cfg.reward.manager, RewardFnSpec.from_config(cfg.reward),
@@ -353,18 +377,18 @@ class RolloutPlane:
         if self.layout.engine_index is not None:
             share = self.layout.share(len(records), self.layout.engine_index)
             mine = [i * n + k for i in share for k in range(n)]
-        local, summaries, engine = self._generate(records, mine, n, step, greedy, first_row)
-        gathered = [part for part in self._gather((summaries, engine)) if part[1] is not None]
+        local, summaries, engines = self._generate(records, mine, n, step, greedy, first_row)
+        gathered = self._gather((summaries, engines))
         every_row = sorted((row for part, _ in gathered for row in part), key=lambda r: r.row)
         rollouts = Rollouts(every_row, [records[i // n] for i in range(len(records) * n)], n,
-                            [stats for _, stats in gathered], local)
+                            [stats for _, part in gathered for stats in part], local)
         if local:
             rollouts.reward_future = self.reward_pool.submit(self._reward_samples(rollouts, sorted(local)))
         return rollouts
 
     def _generate(self, records, mine: list[int], n: int, step: int, greedy: bool, first_row: int):
         if self.layout.engine_index is None:
-            return {}, [], None
+            return {}, [], []
         from rlfactory_megatron.envs.agent_loop import AgentLoopConfig, run_agent_loop
 
         cfg = self.cfg
@@ -378,27 +402,32 @@ class RolloutPlane:
                    for i in sorted({row // n for row in mine})}
         run_tool = self.tool_pool.call if self.tool_pool is not None else None
 
+        sessions = {row: self.router.session() for row in mine}  # each trajectory stays on one engine
+
         async def all_samples():
-            jobs = [run_agent_loop(prompts[row // n], self.async_engine, self.manager, run_tool,
+            jobs = [run_agent_loop(prompts[row // n], sessions[row], self.manager, run_tool,
                                    sampling if greedy else {**sampling, "seed": self.sample_seed(step, first_row + row)},
                                    loop_cfg)
                     for row in mine]
             return await asyncio.gather(*jobs)
 
-        requests, busy = self.async_engine.requests, self.async_engine.busy_s
+        engines = self.router.engines
+        before = [(engine.requests, engine.busy_s) for engine in engines]
         trajectories = self._loop.run_until_complete(all_samples())
         local, summaries = {}, []
+        generated = [0] * len(engines)
         for row, traj in zip(mine, trajectories):
             text = self.tokenizer.decode([t for t, m in zip(traj.response_ids, traj.loss_mask) if m])
             local[row] = (traj, text)
             summaries.append(RowSummary(row, self.layout.engine_index, len(traj.prompt_ids), len(traj.response_ids),
                                         len(traj.turns), sum(len(turn.tool_calls) for turn in traj.turns),
                                         _tool_errors(traj)))
-        engine = {"requests": float(self.async_engine.requests - requests),
-                  "generated_tokens": float(sum(sum(traj.loss_mask) for traj, _ in local.values())),
-                  "busy_s": self.async_engine.busy_s - busy,
-                  "weight_version": float(self.transport.served_version)}
-        return local, summaries, engine
+            if sessions[row].engine is not None:
+                generated[sessions[row].engine] += sum(traj.loss_mask)
+        stats = [{"requests": float(engine.requests - requests), "generated_tokens": float(tokens),
+                  "busy_s": engine.busy_s - busy, "weight_version": float(self.transport.served_version)}
+                 for engine, (requests, busy), tokens in zip(engines, before, generated)]
+        return local, summaries, stats
 
     def place(self, rollouts: Rollouts) -> TrainRows:
         """This DP rank's rows, from the processes that made them: each row goes point to point to
@@ -461,7 +490,7 @@ class RolloutPlane:
                 summary = rollouts.summaries[row]
                 start = summary.prompt_tokens
                 advantages = batch.advantages[i, start:start + summary.response_tokens].numpy()
-                outgoing.setdefault(self.layout.owners[summary.engine], []).append((row, advantages))
+                outgoing.setdefault(self.layout.owners[summary.producer], []).append((row, advantages))
         advantages = dict(item for part in self._exchange(outgoing).values() for item in part)
         if self.rollout_store is None:
             return
@@ -508,13 +537,16 @@ class RolloutPlane:
         return int(np.random.SeedSequence([self.cfg.trainer.seed, step, row]).generate_state(1)[0] >> 1)
 
     def close(self) -> None:
-        if self.engine is None:
+        if self.router is None:
             return
-        self._loop.run_until_complete(self.async_engine.close())  # its batching task ends with the loop
+        for engine in self.router.engines:  # their batching tasks end with the loop
+            self._loop.run_until_complete(engine.close())
         if self.tool_pool is not None:
             self._loop.run_until_complete(self.tool_pool.close())
         self.reward_pool.shutdown()
-        self.engine.close()
+        for engine in [self.engine, *self.pool]:
+            if engine is not None:
+                engine.close()
         for store in (self.rollout_store, self.artifacts):
             if store is not None:
                 store.close()

@@ -100,11 +100,16 @@ def test_engine_layouts_that_do_not_fit_the_world_are_rejected(overrides, world,
 
 @pytest.mark.parametrize("override,message", [
     ("weight_sync.transport=broadcast", "weight_sync.transport='broadcast' cannot feed rollout.mode='colocated' "
-                                        "engines; use in_process"),
-    ("weight_sync.transport=nccl", "weight_sync.transport='nccl' is not allowed; choose one of: in_process, broadcast"),
+                                        "engines; use auto or in_process"),
+    ("weight_sync.transport=nccl", "weight_sync.transport='nccl' is not allowed; choose one of: auto, in_process, "
+                                   "broadcast"),
     ("rollout.engine=sglang", "rollout.engine='sglang' is not allowed; choose one of: vllm"),
-    ("rollout.mode=remote", "rollout.mode='remote' is not allowed; choose one of: colocated"),
+    ("rollout.mode=remote", "rollout.mode='remote' is not allowed; choose one of: colocated, disaggregated"),
+    ("rollout.mode=disaggregated", r"rollout.num_engines=0: rollout.mode=disaggregated runs that many engines"),
+    ("rollout.mode=disaggregated rollout.num_engines=-1", r"rollout.num_engines=-1"),
+    ("rollout.mode=disaggregated rollout.num_engines=2 weight_sync.transport=in_process",
+     "weight_sync.transport='in_process' cannot feed rollout.mode='disaggregated' engines; use auto or broadcast"),
 ])
 def test_engine_transport_and_mode_come_from_their_registries(override, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(overrides=[override])
+        load_config(overrides=override.split())

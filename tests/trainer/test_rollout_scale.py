@@ -1,6 +1,6 @@
 """An engine on every inference group: a 2-rank run generates on 2 engines, each writes its own
 rollout shard, every engine serves the actor's weights after each sync, and a run's samples do
-not depend on how many engines generate them."""
+not depend on how many engines generate them, colocated or disaggregated behind a router."""
 import math
 import os
 import sys
@@ -28,31 +28,37 @@ def _assert_every_engine_generated(run_records, engines: int):
         assert record["rollout/logprob_gap_max"] <= 1e-4  # every engine serves the actor's weights
 
 
-def test_two_data_parallel_engines_make_the_samples_one_engine_makes(tmp_path):
+def test_two_engines_colocated_or_disaggregated_make_the_samples_one_engine_makes(tmp_path):
     one = rlf_train(tmp_path, "one", *RUN)
     assert one.returncode == 0, one.stderr[-3000:]
     two = torchrun_train(tmp_path, "two", 2, *RUN)
     assert two.returncode == 0, two.stderr[-3000:]
     assert "step 3/3 | reward" in two.stdout
-    first, second = records(tmp_path / "one"), records(tmp_path / "two")
+    # Two engines of their own (Ray actors) behind rank 0's router, fed through one broadcast group.
+    pool = rlf_train(tmp_path, "pool", *RUN, "rollout.mode=disaggregated", "rollout.num_engines=2")
+    assert pool.returncode == 0, pool.stderr[-3000:]
+    first, second, pooled = records(tmp_path / "one"), records(tmp_path / "two"), records(tmp_path / "pool")
     _assert_every_engine_generated(first, 1)
     _assert_every_engine_generated(second, 2)
+    _assert_every_engine_generated(pooled, 2)
     for record in second[1:]:  # each DP rank received and trained on its own part of the 4 rows
         assert record["train/dp_rows_min"] >= 1 and record["train/dp_rows_min"] + record["train/dp_rows_max"] == 4
         assert record["train/dp_token_imbalance"] >= 1.0
-    assert all(r["train/dp_rows_min"] == 4 for r in first[1:])
+    assert all(r["train/dp_rows_min"] == 4 for r in first[1:] + pooled[1:])
     # One shard per engine process, and together they hold each trained trajectory once.
     shards = sorted(p.name for p in (tmp_path / "two" / "cache" / "rollouts").iterdir())
     assert shards == ["shard-00000-of-00002.h5", "shard-00001-of-00002.h5"]
     alone, together = stored_trajectories(tmp_path / "one"), stored_trajectories(tmp_path / "two")
     assert sorted(together) == sorted(alone) == [(s, f"{r:05d}") for s in (1, 2, 3) for r in range(4)]
     assert together == alone  # the same token ids, masks and rewards
-    assert [r["step"] for r in second] == [r["step"] for r in first] == [0, 1, 2, 3]
-    for mine, theirs in zip(second, first):
-        compared = {k for k in theirs if not any(t in k for t in TIMING_KEYS + LAYOUT_KEYS)}
-        assert compared <= set(mine)
-        for key in compared:  # DP's gradient all-reduce sums in another order: rounding differs
-            assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), (mine["step"], key)
+    assert stored_trajectories(tmp_path / "pool") == alone
+    for run in (second, pooled):
+        assert [r["step"] for r in run] == [r["step"] for r in first] == [0, 1, 2, 3]
+        for mine, theirs in zip(run, first):
+            compared = {k for k in theirs if not any(t in k for t in TIMING_KEYS + LAYOUT_KEYS)}
+            assert compared <= set(mine)
+            for key in compared:  # DP's gradient all-reduce sums in another order: rounding differs
+                assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), (mine["step"], key)
 
 
 @pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.pp=2"])
