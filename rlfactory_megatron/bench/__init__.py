@@ -10,6 +10,7 @@ BENCHMARKS: Registry[str] = Registry("benchmark")
 for _name, _what in (
     ("actor", "Megatron actor forward+backward vs plain transformers"),
     ("weight-sync", "Megatron -> vLLM bucketed weight sync vs memcpy and disk reload"),
+    ("rollout", "generation tokens/s and weight sync on 2 disaggregated engines vs 1, through the router"),
     ("tools", "Ray tool pool throughput vs ideal concurrency / latency"),
     ("rewards", "Ray reward pool vs in-process scoring, and overlap with compute"),
     ("cache", "HDF5 rollout cache write/read MB/s and lookup latency vs raw disk"),

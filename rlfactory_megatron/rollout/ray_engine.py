@@ -16,9 +16,11 @@ from rlfactory_megatron.rollout.engines import Generation, SamplingConfig, VLLME
 from rlfactory_megatron.rollout.weight_sync import TRANSPORTS, Transport
 
 
-def _weight_group(host: str, port: int, rank: int, size: int, backend: str, timeout_s: float):
-    """A process group of the sender (rank 0) and its engines, independent of any torch.distributed world."""
-    store = dist.TCPStore(host, port, world_size=size, is_master=rank == 0, timeout=timedelta(seconds=timeout_s))
+def _weight_group(host: str, port: int, rank: int, size: int, backend: str, timeout_s: float, store=None):
+    """A process group of the sender (rank 0, which brings its `store`) and its engines,
+    independent of any torch.distributed world."""
+    if store is None:
+        store = dist.TCPStore(host, port, world_size=size, is_master=False, timeout=timedelta(seconds=timeout_s))
     if backend == "nccl":
         return dist.ProcessGroupNCCL(store, rank, size)
     return dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout_s))
@@ -99,17 +101,19 @@ class BroadcastTransport(Transport):
 
     def __init__(self, engines: RayVLLMEngine | list[RayVLLMEngine], host: str = "127.0.0.1",
                  timeout_s: float = 600.0) -> None:
-        from rlfactory_megatron.runtime.launch_env import free_port
-
         self.engines = engines if isinstance(engines, list) else [engines]
         self._ray = self.engines[0]._ray
         self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        port, size = free_port(), len(self.engines) + 1
+        size = len(self.engines) + 1
+        # The store listens on a port the OS picks (a port picked beforehand can be taken meanwhile).
+        store = dist.TCPStore(host, 0, world_size=size, is_master=True, timeout=timedelta(seconds=timeout_s),
+                              wait_for_workers=False)
         # Every member must construct the group at the same time: start the remote sides first.
-        joined = [engine.actor.join_weight_group.remote(host, port, rank, size, backend, timeout_s)
+        joined = [engine.actor.join_weight_group.remote(host, store.port, rank, size, backend, timeout_s)
                   for rank, engine in enumerate(self.engines, start=1)]
-        self.group = _weight_group(host, port, 0, size, backend, timeout_s)
+        self.group = _weight_group(host, store.port, 0, size, backend, timeout_s, store=store)
+        self._store = store
         self._ray.get(joined)
 
     def expected_weights(self):
