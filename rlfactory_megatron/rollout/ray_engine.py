@@ -76,12 +76,14 @@ class VLLMEngineHost:
 class RayVLLMEngine:
     """Client for a VLLMEngineHost actor with the rollout-engine interface (blocking calls)."""
 
-    def __init__(self, hf_dir: str, num_cpus: float = 1, num_gpus: float = 0, **engine_kwargs) -> None:
+    def __init__(self, hf_dir: str, num_cpus: float = 1, num_gpus: float = 0, name: str | None = None,
+                 **engine_kwargs) -> None:
         import ray
 
         host_cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(VLLMEngineHost)
         self._ray = ray
-        self.actor = host_cls.remote(hf_dir, **engine_kwargs)
+        # max_restarts=0: a dead engine is replaced by its owner, with the weights of the next sync.
+        self.actor = host_cls.options(name=name, max_restarts=0).remote(hf_dir, **engine_kwargs)
 
     def generate(self, prompts, sampling, seeds=None):
         return self._ray.get(self.actor.generate.remote(prompts, sampling, seeds))
@@ -90,8 +92,11 @@ class RayVLLMEngine:
         return self._ray.get(self.actor.weight_names.remote())
 
     def close(self) -> None:
-        self._ray.get(self.actor.close.remote())
-        self._ray.kill(self.actor)
+        try:
+            self._ray.get(self.actor.close.remote(), timeout=60)
+        except Exception:  # noqa: BLE001 - already dead or stuck: killing it is all that is left
+            pass
+        self._ray.kill(self.actor, no_restart=True)
 
 
 @TRANSPORTS.register("broadcast")

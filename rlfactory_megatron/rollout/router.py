@@ -3,11 +3,13 @@
 A trajectory's first turn goes to the engine with the least outstanding work (requests in
 flight, then generated tokens so far), and every later turn of it to the same engine, whose
 prefix cache holds the conversation. Where a request runs never changes what it generates:
-a seeded sample depends on its prompt, weights and seed only.
+a seeded sample depends on its prompt, weights and seed only. So when an engine fails (its
+process died), its requests run again on the engines that remain and the step's trajectories
+are the ones it would have had; the owner replaces the engine (`revive`) between steps.
 """
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 
 class AsyncEngine(Protocol):
@@ -17,20 +19,42 @@ class AsyncEngine(Protocol):
     async def generate(self, prompt_token_ids: list[int], sampling: dict[str, Any]) -> tuple[list[int], list[float]]: ...
 
 
+class EngineFailedError(RuntimeError):
+    """No engine is left to serve requests."""
+
+
 class EngineRouter:
-    def __init__(self, engines: list[AsyncEngine]) -> None:
+    """`is_failure(exc)`: whether an error from an engine means the engine is gone (its requests
+    go elsewhere) rather than a bad request (the caller sees it)."""
+
+    def __init__(self, engines: list[AsyncEngine], is_failure: Callable[[BaseException], bool] = lambda exc: False):
         if not engines:
             raise ValueError("a router needs at least one engine")
         self.engines = engines
+        self.is_failure = is_failure
         self.outstanding = [0] * len(engines)  # requests in flight per engine
         self.generated = [0] * len(engines)  # tokens generated per engine (the tie-break)
+        self.failed: dict[int, str] = {}  # engine -> why, until revived
 
     def session(self) -> "Session":
         """What one trajectory generates through: sticks to the engine of its first turn."""
         return Session(self)
 
     def least_loaded(self) -> int:
-        return min(range(len(self.engines)), key=lambda i: (self.outstanding[i], self.generated[i], i))
+        alive = [i for i in range(len(self.engines)) if i not in self.failed]
+        if not alive:
+            raise EngineFailedError("every rollout engine failed: " + "; ".join(
+                f"engine {i}: {why}" for i, why in sorted(self.failed.items())))
+        return min(alive, key=lambda i: (self.outstanding[i], self.generated[i], i))
+
+    def fail(self, index: int, exc: BaseException) -> None:
+        self.failed.setdefault(index, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}")
+
+    def revive(self, index: int, engine: AsyncEngine) -> None:
+        """`engine` serves in place of failed engine `index` from now on."""
+        self.engines[index] = engine
+        self.failed.pop(index, None)
+        self.outstanding[index] = 0
 
     async def generate_on(self, index: int, prompt_token_ids: list[int],
                           sampling: dict[str, Any]) -> tuple[list[int], list[float]]:
@@ -51,6 +75,13 @@ class Session:
         self.engine: int | None = None
 
     async def generate(self, prompt_token_ids: list[int], sampling: dict[str, Any]) -> tuple[list[int], list[float]]:
-        if self.engine is None:  # chosen and counted before the first await: concurrent firsts spread
-            self.engine = self.router.least_loaded()
-        return await self.router.generate_on(self.engine, prompt_token_ids, sampling)
+        while True:
+            if self.engine is None or self.engine in self.router.failed:
+                # Chosen and counted before the first await: concurrent first turns spread out.
+                self.engine = self.router.least_loaded()
+            try:
+                return await self.router.generate_on(self.engine, prompt_token_ids, sampling)
+            except Exception as exc:
+                if not self.router.is_failure(exc):
+                    raise
+                self.router.fail(self.engine, exc)  # and the request runs again on another engine

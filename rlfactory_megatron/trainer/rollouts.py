@@ -204,6 +204,8 @@ class RolloutPlane:
                             if self.layout.num_engines < self.layout.world else self.cpu_group)
         self.engine = self.router = self.transport = self.tool_pool = self.reward_pool = None
         self.pool: list = []  # disaggregated: the engines (Ray actors)
+        self._deaths_in_a_row: dict[int, int] = {}
+        self._replaced = 0
         self.rollout_store = self.artifacts = None
         self.tool_schemas: list[dict] | None = None
         self._asleep = False
@@ -309,8 +311,12 @@ class RolloutPlane:
                 ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
             # Devices of their own (Ray resources: rollout.tp GPUs, or one CPU, each), no sleep mode.
             gpus = cfg.rollout.tp if torch.cuda.is_available() else 0
-            self.pool = [RayVLLMEngine(self.hf_dir, num_cpus=1, num_gpus=gpus, **engine_args)
-                         for _ in range(cfg.rollout.num_engines)]
+            # Named rlf-engine-<i> (a replacement: rlf-engine-<i>-<n>; a killed actor's name may
+            # not be free yet), so that tools and operators can find them.
+            self._new_pool_engine = lambda index, n=0: RayVLLMEngine(
+                self.hf_dir, num_cpus=1, num_gpus=gpus, name=f"rlf-engine-{index}" + (f"-{n}" if n else ""),
+                **engine_args)
+            self.pool = [self._new_pool_engine(index) for index in range(cfg.rollout.num_engines)]
             self.transport = TRANSPORTS.get(weight_sync_transport(cfg))(self.pool)
             engines = self.pool
         else:
@@ -321,7 +327,7 @@ class RolloutPlane:
             engines = [self.engine]
             if not ray.is_initialized():  # after vLLM: with Ray up, its TP>1 engine would pick Ray's executor
                 ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
-        self.router = EngineRouter([AsyncBatchingEngine(engine) for engine in engines])
+        self.router = EngineRouter([AsyncBatchingEngine(engine) for engine in engines], is_failure=_engine_died)
         if cfg.cache.enable:
             self._open_cache()
         if cfg.tools.enable:
@@ -425,8 +431,9 @@ class RolloutPlane:
             if sessions[row].engine is not None:
                 generated[sessions[row].engine] += sum(traj.loss_mask)
         stats = [{"requests": float(engine.requests - requests), "generated_tokens": float(tokens),
-                  "busy_s": engine.busy_s - busy, "weight_version": float(self.transport.served_version)}
-                 for engine, (requests, busy), tokens in zip(engines, before, generated)]
+                  "busy_s": engine.busy_s - busy, "weight_version": float(self.transport.served_version),
+                  "failed": float(index in self.router.failed)}
+                 for index, (engine, (requests, busy), tokens) in enumerate(zip(engines, before, generated))]
         return local, summaries, stats
 
     def place(self, rollouts: Rollouts) -> TrainRows:
@@ -514,10 +521,42 @@ class RolloutPlane:
 
     # ------------------------------------------------------------------ weights
     def sync(self, actor_engine, version: int) -> None:
-        """The actor's weights into every engine in one collective sync."""
+        """The actor's weights into every engine in one collective sync (disaggregated engines
+        that died since the last one are replaced first, so they serve these weights)."""
         from rlfactory_megatron.rollout.weight_sync import sync_weights
 
+        if self.pool:
+            self._replace_failed_engines()
         sync_weights(actor_engine, self.transport, self.cfg.weight_sync.bucket_mb, version=version)
+
+    def _replace_failed_engines(self) -> None:
+        """A fresh actor for each engine that died (its requests already ran elsewhere), and a
+        broadcast group with it; an engine that died at MAX_ENGINE_DEATHS_IN_A_ROW syncs in a row
+        ends the run instead of failing forever."""
+        import ray
+
+        from rlfactory_megatron.config import weight_sync_transport
+        from rlfactory_megatron.rollout.async_engine import AsyncBatchingEngine
+        from rlfactory_megatron.rollout.weight_sync import TRANSPORTS
+
+        failed = dict(self.router.failed)
+        for index in range(len(self.pool)):
+            self._deaths_in_a_row[index] = self._deaths_in_a_row.get(index, 0) + 1 if index in failed else 0
+        for index, why in sorted(failed.items()):
+            if self._deaths_in_a_row[index] >= MAX_ENGINE_DEATHS_IN_A_ROW:
+                raise RuntimeError(f"rollout engine {index} died {self._deaths_in_a_row[index]} steps in a row "
+                                   f"(last: {why}); its log is in {self.output / 'logs'}")
+            print(f"rlf-train: rollout engine {index} died ({why}); starting a new one", flush=True)
+            try:
+                ray.kill(self.pool[index].actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+            self._loop.run_until_complete(self.router.engines[index].close())
+            self._replaced += 1
+            self.pool[index] = self._new_pool_engine(index, self._replaced)
+            self.router.revive(index, AsyncBatchingEngine(self.pool[index]))
+        if failed:  # the group of the sender and every engine, the new ones included
+            self.transport = TRANSPORTS.get(weight_sync_transport(self.cfg))(self.pool)
 
     def sleep(self) -> None:
         """Free the engines' device memory for training (a no-op on CPU)."""
@@ -550,6 +589,17 @@ class RolloutPlane:
         for store in (self.rollout_store, self.artifacts):
             if store is not None:
                 store.close()
+
+
+# A disaggregated engine that dies at this many weight syncs in a row ends the run.
+MAX_ENGINE_DEATHS_IN_A_ROW = 3
+
+
+def _engine_died(exc: BaseException) -> bool:
+    """Whether an engine call failed because its Ray actor is gone (its requests can run elsewhere)."""
+    from ray.exceptions import RayActorError
+
+    return isinstance(exc, RayActorError)
 
 
 def _report_sandboxes(specs) -> None:

@@ -49,3 +49,44 @@ def test_concurrent_first_turns_spread_over_idle_engines():
         return [s.engine for s in sessions]
 
     assert sorted(asyncio.run(step())) == [0, 0, 1, 1, 2, 2]
+
+
+class Dying(Engine):
+    """Serves `calls` requests, then fails every request as a dead engine process does."""
+
+    def __init__(self, calls: int):
+        super().__init__(0.001)
+        self.calls = calls
+
+    async def generate(self, prompt, sampling):
+        if self.calls == 0:
+            raise ConnectionError("engine process died")
+        self.calls -= 1
+        return await super().generate(prompt, sampling)
+
+
+def test_requests_of_a_failed_engine_run_again_on_the_others():
+    import pytest
+
+    from rlfactory_megatron.rollout.router import EngineFailedError
+
+    dying, healthy = Dying(calls=3), Engine(0.001)
+    router = EngineRouter([dying, healthy], is_failure=lambda exc: isinstance(exc, ConnectionError))
+
+    async def trajectory(index):
+        session = router.session()
+        return [await session.generate([index], {}) for _ in range(3)]
+
+    async def step(n):
+        return await asyncio.gather(*(trajectory(i) for i in range(n)))
+
+    results = asyncio.run(step(6))
+    assert all(turns == [([7, 8], [-0.1, -0.2])] * 3 for turns in results)  # every turn of every trajectory served
+    assert list(router.failed) == [0] and "died" in router.failed[0]
+    assert sorted(healthy.served + dying.served[:3]) == sorted([i for i in range(6) for _ in range(3)])
+    router.revive(0, Engine(0.0))  # a replacement serves again
+    asyncio.run(step(2))
+    assert router.engines[0].served and not router.failed
+    router.fail(0, ConnectionError("gone")), router.fail(1, ConnectionError("gone too"))
+    with pytest.raises(EngineFailedError, match="every rollout engine failed: engine 0: ConnectionError: gone"):
+        asyncio.run(step(1))

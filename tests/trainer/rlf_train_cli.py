@@ -22,10 +22,10 @@ def env_for(tmp_path):
     return env
 
 
-def rlf_train(tmp_path, run: str, *overrides, timeout=900):
+def rlf_train(tmp_path, run: str, *overrides, timeout=900, env=None):
     args = [*SMALL, f"trainer.output_dir={tmp_path / run}", *overrides]
-    return subprocess.run([str(BIN / "rlf-train"), *args], capture_output=True, text=True, env=env_for(tmp_path),
-                          timeout=timeout)
+    return subprocess.run([str(BIN / "rlf-train"), *args], capture_output=True, text=True,
+                          env={**env_for(tmp_path), **(env or {})}, timeout=timeout)
 
 
 def torchrun_train(tmp_path, run: str, nproc: int, *overrides, timeout=900):

@@ -84,6 +84,38 @@ def test_one_tensor_parallel_engine_across_a_tensor_parallel_group(tmp_path):
     assert [p.name for p in (tmp_path / "run" / "cache" / "rollouts").iterdir()] == ["shard-00000-of-00001.h5"]
 
 
+def test_a_disaggregated_engine_killed_mid_step_is_replaced_and_no_trajectory_changes(tmp_path):
+    # A calculator whose first call kills engine 0 (a Ray actor) while the step's other samples
+    # are in flight on it: they run again on engine 1, a new engine 0 gets the next sync's
+    # weights, and the run's trajectories are those of a run where nothing died.
+    from pathlib import Path
+
+    faults = Path(__file__).parent / "faults"
+    tools = tmp_path / "tools.yaml"
+    # The task's own calculator entry (its short description), the killing class in its place.
+    tools.write_text("tools:\n  - class: rlf_faulty.EngineKillingCalculator\n"
+                     "    description: Evaluate an arithmetic expression.\n")
+    # A longer warm-start, so that the tiny policy calls the calculator; the killing one is the
+    # plain calculator (same name and schema) apart from its first call.
+    run = (*RUN, "rollout.mode=disaggregated", "rollout.num_engines=2", "trainer.sft_steps=60",
+           "trainer.sft_batch_size=16", "trainer.prompts_per_step=4")
+    env = {"PYTHONPATH": str(faults)}  # Ray's tool workers import it by name
+    calm = rlf_train(tmp_path, "calm", *run)  # the built-in calculator
+    killed = rlf_train(tmp_path, "killed", *run, f"tools.config_path={tools}", env=env)
+    assert calm.returncode == 0, calm.stderr[-3000:]
+    assert killed.returncode == 0, killed.stderr[-3000:]
+    assert "rollout engine 0 died" in killed.stdout
+    steps = records(tmp_path / "killed")[1:]
+    assert sum(r["rollout/tool_calls_per_sample"] for r in steps) > 0
+    assert stored_trajectories(tmp_path / "killed") == stored_trajectories(tmp_path / "calm")
+    died = [r["step"] for r in steps if r["rollout/engine_0_failed"]]
+    assert len(died) <= 1  # (0 when it died in the validation before RL: replaced before step 1)
+    for r in steps:
+        assert r["rollout/logprob_gap_max"] <= 1e-4  # every engine serving, the new one too
+        if r["step"] > (died[0] if died else 0):
+            assert r["rollout/engine_0_weight_version"] == r["rollout/engine_1_weight_version"] == r["step"] - 1
+
+
 def test_a_killed_two_engine_run_resumes_exactly(tmp_path):
     steps = ("trainer.total_steps=4", "trainer.save_every=2", "parallel.tp=2", "actor.mini_batch_size=2",
              "trainer.val_every=0")

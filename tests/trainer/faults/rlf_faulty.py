@@ -51,3 +51,18 @@ def compute_score(data_source, solution_str, ground_truth, extra_info):
     if fault == "string":
         return "1.0"
     return get_scorer("gsm8k")(solution_str, ground_truth)
+
+
+class EngineKillingCalculator(CalculatorTool):
+    """The calculator (same name and schema), whose first call in this process kills the first
+    disaggregated rollout engine (a Ray actor named rlf-engine-0) in the middle of a step."""
+
+    killed = False
+
+    async def execute(self, args):
+        if not EngineKillingCalculator.killed:
+            import ray
+
+            EngineKillingCalculator.killed = True
+            ray.kill(ray.get_actor("rlf-engine-0"), no_restart=True)
+        return await super().execute(args)
