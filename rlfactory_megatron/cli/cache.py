@@ -36,7 +36,18 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--step", type=int, required=True)
     export.add_argument("--out", type=Path, required=True)
     export.add_argument("--format", choices=("jsonl", "parquet"), help="default: from the --out suffix")
+    export.add_argument("--text", action="store_true",
+                        help="add the decoded prompt, response and turns (the run's tokenizer, see show)")
+    export.add_argument("--tokenizer", help="HF folder of the tokenizer (default: the run's model)")
     export.set_defaults(run=_export)
+    show = commands.add_parser("show", help="a step's trajectories as readable text: prompt, turns, tool calls, "
+                               "reward, advantage (decoded with the run's tokenizer)")
+    show.add_argument("directory", type=Path, help="a training run's output folder, or its cache/rollouts")
+    show.add_argument("--step", type=int, help="default: the last stored step")
+    show.add_argument("--sample", help="one sample id (e.g. 00003); default: every sample of the step")
+    show.add_argument("--tokenizer", help="HF folder of the tokenizer (default: the run's model)")
+    show.add_argument("--full-prompt", action="store_true", help="the whole prompt, not its last 2000 characters")
+    show.set_defaults(run=_show)
     merge = commands.add_parser("merge", help="many shards (of one kind) into one file; under mpiexec the ranks "
                                 "copy in parallel where h5py is built with MPI (parallel HDF5)")
     merge.add_argument("paths", type=Path, nargs="+", help="cache directories or shard files")
@@ -83,12 +94,46 @@ def _verify(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
+def _rollouts_dir(directory: Path) -> Path:
+    """A run's rollout store: `directory` itself, or the cache of the run it is the output of."""
+    return directory / "cache" / "rollouts" if (directory / "cache" / "rollouts").is_dir() else directory
+
+
 def _export(args: argparse.Namespace) -> int:
-    count = export_step(args.directory, args.step, args.out, args.format)
+    text = None
+    if args.text:
+        from rlfactory_megatron.envs.storage.text import decoded, run_tokenizer
+
+        tokenizer = run_tokenizer(args.directory, args.tokenizer)
+        text = lambda record: decoded(record, tokenizer)  # noqa: E731
+    count = export_step(_rollouts_dir(args.directory), args.step, args.out, args.format, text)
     if count == 0:
         print(f"rlf-cache export: no rollout records for step {args.step} in {args.directory}", file=sys.stderr)
         return 1
     print(f"{count} record(s) of step {args.step} -> {args.out}")
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    from rlfactory_megatron.envs.storage import RolloutStore
+    from rlfactory_megatron.envs.storage.text import render, run_tokenizer
+
+    directory = _rollouts_dir(args.directory)
+    tokenizer = run_tokenizer(args.directory, args.tokenizer)
+    with RolloutStore(directory, readonly=True) as store:
+        steps = store.steps()
+        if not steps:
+            raise ValueError(f"{directory}: no rollout records")
+        step = steps[-1] if args.step is None else args.step
+        if step not in steps:
+            raise ValueError(f"no rollout records for step {step} in {directory}; stored steps: "
+                             f"{steps[0]}..{steps[-1]}")
+        try:
+            records = [store.read(step, args.sample)] if args.sample else store.read_step(step)
+        except KeyError as exc:
+            raise ValueError(exc.args[0]) from None
+    for record in sorted(records, key=lambda r: r.sample_id):
+        print(render(record, tokenizer, prompt_chars=None if args.full_prompt else 2000) + "\n")
     return 0
 
 

@@ -1,6 +1,7 @@
 """Faults through the real `rlf-train`: a calculator tool and a reward function that fail at
 random in every way (raise, hang, block, 4 MB output, exit the worker, lone surrogates; NaN, inf,
 a string, hang, exit) cost their samples, never the run or the weights."""
+import json
 import math
 import os
 import subprocess
@@ -42,3 +43,21 @@ def test_a_run_with_faulty_tools_and_rewards_trains_to_the_end(tmp_path):
     kinds = [k for k in total if k.startswith("tools/errors/")]
     assert sum(total[k] for k in kinds) == sum(r["tools/errors"] for r in steps) > 0, total
     assert total["tools/errors/timeout"] + total["tools/errors/actor_died"] > 0, total
+
+    # What the agent did, readable: the cache's trajectories decoded with the run's tokenizer,
+    # tool calls (the faulty ones' odd output included) and rewards.
+    show = subprocess.run([str(BIN / "rlf-cache"), "show", str(tmp_path / "run"), "--step", "5"], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert show.returncode == 0, show.stderr[-2000:]
+    assert show.stdout.count("=== step 5 sample ") == 64 and "<|im_start|>user" in show.stdout
+    assert "--- policy (" in show.stdout and "| reward " in show.stdout
+    called = [r for r in steps if r["rollout/tool_calls_per_sample"] > 0][-1]["step"]
+    shown = subprocess.run([str(BIN / "rlf-cache"), "show", str(tmp_path / "run"), "--step", str(called)],
+                           capture_output=True, text=True, env=env, timeout=120).stdout
+    assert "--- tool call (turn 0): calculator(" in shown
+    out = tmp_path / "step.jsonl"
+    subprocess.run([str(BIN / "rlf-cache"), "export", str(tmp_path / "run"), "--step", "5", "--out", str(out), "--text"],
+                   check=True, capture_output=True, env=env, timeout=120)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 64 and all("<|im_start|>user" in row["prompt_text"] for row in rows)
+    assert all(row["turns_text"][0]["role"] == "assistant" for row in rows)
