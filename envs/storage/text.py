@@ -59,8 +59,9 @@ def render(record: RolloutRecord, tokenizer, prompt_chars: int | None = 2000) ->
         prompt = f"[... {len(prompt) - prompt_chars} characters]" + prompt[-prompt_chars:]
     lines += ["--- prompt", prompt]
     for policy, ids, advantages in segments(record):
-        if policy:
-            lines.append(f"--- policy ({len(ids)} tokens, advantage {float(np.mean(advantages)):+.3f})")
+        if policy:  # (a validation trajectory has no advantages)
+            advantage = f", advantage {float(np.mean(advantages)):+.3f}" if len(advantages) else ""
+            lines.append(f"--- policy ({len(ids)} tokens{advantage})")
         else:
             lines.append(f"--- observation ({len(ids)} tokens, not trained on)")
         lines.append(_decode(tokenizer, ids))

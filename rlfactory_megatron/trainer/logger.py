@@ -62,6 +62,13 @@ class MetricsLogger:
         if progress:
             print(self.progress_line(step, metrics), flush=True)
 
+    def text(self, tag: str, text: str, step: int) -> None:
+        """Text (e.g. trajectories) under `tag` in TensorBoard's Text tab, shown as written."""
+        if self.tb:
+            # TensorBoard renders markdown: four spaces of indent keep the text as it is.
+            self.tb.add_text(tag, "\n".join("    " + line for line in text.splitlines()), step)
+            self.tb.flush()
+
     def progress_line(self, step: int, metrics: dict[str, float]) -> str:
         if self._first_step is None:
             self._first_step = step - 1

@@ -117,6 +117,22 @@ class Rollouts:
         return RowData(row, np.asarray(traj.prompt_ids, dtype=np.int64), np.asarray(traj.response_ids, dtype=np.int64),
                        np.asarray(traj.loss_mask, dtype=np.int8), np.asarray(traj.logprobs, dtype=np.float32))
 
+    def stored_record(self, row: int, step: int, advantages: np.ndarray):
+        """A row this process made, as the rollout store keeps it (its reward gathered)."""
+        from rlfactory_megatron.envs.storage import RolloutRecord
+
+        traj, _ = self.local[row]
+        record = self.records[row]
+        calls = [{"turn": t, "name": c.name, "arguments": c.arguments, "observation": c.observation,
+                  "is_error": c.is_error, "latency_s": c.latency_s}
+                 for t, turn in enumerate(traj.turns) for c in turn.tool_calls]
+        return RolloutRecord(
+            step, f"{row:05d}", np.asarray(traj.prompt_ids), np.asarray(traj.response_ids), np.asarray(traj.loss_mask),
+            np.asarray(traj.logprobs), advantages, float(self.reward.scores[row]), calls,
+            {"data_source": record.data_source, "ground_truth": str(record.ground_truth),
+             "group": row // self.group_size, "stop_reason": traj.stop_reason, "turns": len(traj.turns),
+             "reward_error": self.reward.errors[row]})
+
     def stats(self) -> dict[str, float]:
         rows = self.summaries
         calls = sum(r.tool_calls for r in rows)
@@ -489,8 +505,6 @@ class RolloutPlane:
         advantages back to the process that made the row."""
         if not self.cfg.cache.enable:
             return
-        from rlfactory_megatron.envs.storage import RolloutRecord
-
         outgoing: dict[int, list[tuple[int, np.ndarray]]] = {}
         if self.layout.rank == self.ranks_of_dp[self.dp_rank][0]:
             for i, row in enumerate(batch.step_rows.tolist()):
@@ -501,21 +515,7 @@ class RolloutPlane:
         advantages = dict(item for part in self._exchange(outgoing).values() for item in part)
         if self.rollout_store is None:
             return
-        reward, out = rollouts.reward, []
-        for row in sorted(rollouts.local):
-            traj, _ = rollouts.local[row]
-            record = rollouts.records[row]
-            calls = [{"turn": t, "name": c.name, "arguments": c.arguments, "observation": c.observation,
-                      "is_error": c.is_error, "latency_s": c.latency_s}
-                     for t, turn in enumerate(traj.turns) for c in turn.tool_calls]
-            out.append(RolloutRecord(
-                step, f"{row:05d}", np.asarray(traj.prompt_ids), np.asarray(traj.response_ids),
-                np.asarray(traj.loss_mask), np.asarray(traj.logprobs), advantages[row], float(reward.scores[row]),
-                calls,
-                {"data_source": record.data_source, "ground_truth": str(record.ground_truth),
-                 "group": row // rollouts.group_size, "stop_reason": traj.stop_reason, "turns": len(traj.turns),
-                 "reward_error": reward.errors[row]}))
-        self.rollout_store.write(out)
+        self.rollout_store.write([rollouts.stored_record(row, step, advantages[row]) for row in sorted(rollouts.local)])
         if self.artifacts is not None:
             self.artifacts.sync()
 

@@ -32,6 +32,10 @@ from rlfactory_megatron.trainer.rollouts import RolloutPlane, Rollouts
 from rlfactory_megatron.trainer.sft import demonstration_rows, sft_warm_start
 from rlfactory_megatron.trainer.tasks import TASKS
 
+# Validation trajectories shown as text in TensorBoard at each validation.
+VALIDATION_TEXTS = 3
+
+
 class Trainer:
     def __init__(self, cfg, hf_dir: str) -> None:
         from transformers import AutoTokenizer
@@ -202,9 +206,18 @@ class Trainer:
         return last
 
     def validate(self) -> dict[str, float]:
-        """Greedy rollouts on held-out prompts, on every engine; mean score = accuracy for 0/1 scorers."""
+        """Greedy rollouts on held-out prompts, on every engine; mean score = accuracy for 0/1 scorers.
+        A few of them go to TensorBoard as text (`val/trajectories`)."""
         rollouts = self.plane.rollout(self.val_records, self.step_index, greedy=True)
-        return {"val/score_mean": float(np.mean(self.plane.rewards(rollouts).scores))}
+        scores = self.plane.rewards(rollouts).scores
+        if self.logger is not None and rollouts.local:
+            from rlfactory_megatron.envs.storage.text import render
+
+            shown = sorted(rollouts.local)[:VALIDATION_TEXTS]
+            text = "\n\n".join(render(rollouts.stored_record(row, self.step_index, np.zeros(0)), self.tokenizer,
+                                      prompt_chars=300) for row in shown)
+            self.logger.text("val/trajectories", text, self.step_index)
+        return {"val/score_mean": float(np.mean(scores))}
 
     def sft_warm_start(self) -> None:
         """Supervised steps on the prompts' demonstrations (sft.py), then the weights to the engines."""

@@ -26,6 +26,14 @@ def test_killed_run_resumes_and_continues_exactly(tmp_path):
                 "time/sync_s", "perf/tokens_per_s", "rollout/response_tokens_mean", "val/score_mean"):
         assert key in uninterrupted[-1], key
     assert list((run / "tensorboard").iterdir())
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    texts = events.Tensors("val/trajectories/text_summary")  # a few validation trajectories, readable
+    assert [t.step for t in texts] == [0, 2, 4]
+    assert all("=== step" in t.tensor_proto.string_val[0].decode() and "--- policy (" in
+               t.tensor_proto.string_val[0].decode() for t in texts)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
     with RolloutStore(run / "cache" / "rollouts", readonly=True) as store:  # every trajectory as trained on
         assert store.steps() == [1, 2, 3, 4]
