@@ -90,11 +90,11 @@ class PrimeRewardManager(NaiveRewardManager):
                 f"got num_processes={num_processes}, timeout_s={timeout_s}"
             )
         super().__init__(function)  # loads the function: fail here, at start-up, not in every process
-        self.isolate(timeout_s, num_processes)
+        # num_processes is a cap (a rate-limited judge behind the function): no spares.
+        self.processes = ScoringProcesses(function, num_processes, timeout_s, max_spares=0)
 
     def isolate(self, timeout_s: float, num_processes: int = 2) -> None:
-        if self.processes is None:  # its own processes and timeout (reward.manager_options) hold
-            super().isolate(timeout_s, num_processes)
+        return None  # its own processes and timeout (reward.manager_options) hold
 
 
 def overlong_penalty(length: int, max_length: int, buffer: int, factor: float) -> float:

@@ -189,7 +189,9 @@ class RewardFuture:
             except RayError:
                 continue  # died; its jobs' refs report it
             job = next((j for j in self.jobs if report and j.seq == report[0]), None)
-            if job is not None and report[2] > self.pool.sample_timeout_s * len(report[1]):
+            # A safety net with slack: per-sample managers time their samples out themselves,
+            # in processes that may start later than this job did.
+            if job is not None and report[2] > self.pool.sample_timeout_s * (len(report[1]) + 1) + 5.0:
                 self._worker_stuck(job, report[1])
 
     def _worker_stuck(self, job: _Job, unit: list[int]) -> None:

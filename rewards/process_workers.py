@@ -20,7 +20,20 @@ _READY = "ready"
 _PRELOAD = [__name__, "rlfactory_megatron.rewards.scorers"]
 
 
+def _die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when its parent (the scoring actor) dies, so a sample
+    stuck in user code does not outlive an actor the pool killed."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # elsewhere: the parent kills its processes on close
+
+
 def _serve(spec: RewardFnSpec, conn: Connection) -> None:
+    _die_with_parent()
     fn = load_reward_fn(spec)
     conn.send(_READY)
     try:

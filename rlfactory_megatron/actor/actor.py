@@ -288,6 +288,8 @@ class Critic:
         mode = self.actor_cfg.loss_agg_mode
         # A constant length for seq-mean-token-sum-norm: a mini-batch's own width differs between
         # DP ranks holding different rows.
+        if mode == "seq-mean-token-sum-norm" and self.norm_length is None and mini.dp_local:
+            raise ValueError("Critic(norm_length=...) is needed for seq-mean-token-sum-norm on DP-local batches")
         length = self.norm_length or mini.input_ids.shape[1]
         agg = _agg_options(plan, mode, None if mode != "seq-mean-token-sum-norm" else length)
 

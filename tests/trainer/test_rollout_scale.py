@@ -98,7 +98,7 @@ def test_a_disaggregated_engine_killed_mid_step_is_replaced_and_no_trajectory_ch
     # A longer warm-start, so that the tiny policy calls the calculator; the killing one is the
     # plain calculator (same name and schema) apart from its first call.
     run = (*RUN, "rollout.mode=disaggregated", "rollout.num_engines=2", "trainer.sft_steps=60",
-           "trainer.sft_batch_size=16", "trainer.prompts_per_step=4")
+           "trainer.sft_batch_size=16", "trainer.prompts_per_step=4", "trainer.total_steps=2", "trainer.val_every=0")
     env = {"PYTHONPATH": str(faults)}  # Ray's tool workers import it by name
     calm = rlf_train(tmp_path, "calm", *run)  # the built-in calculator
     killed = rlf_train(tmp_path, "killed", *run, f"tools.config_path={tools}", env=env)
@@ -108,12 +108,12 @@ def test_a_disaggregated_engine_killed_mid_step_is_replaced_and_no_trajectory_ch
     steps = records(tmp_path / "killed")[1:]
     assert sum(r["rollout/tool_calls_per_sample"] for r in steps) > 0
     assert stored_trajectories(tmp_path / "killed") == stored_trajectories(tmp_path / "calm")
-    died = [r["step"] for r in steps if r["rollout/engine_0_failed"]]
-    assert len(died) <= 1  # (0 when it died in the validation before RL: replaced before step 1)
+    # Marked failed in its step when a request saw it die; with none in flight on it, the check
+    # before the sync finds it instead. Either way a new one takes the next sync's weights.
+    assert sum(r["rollout/engine_0_failed"] for r in steps) <= 1
     for r in steps:
         assert r["rollout/logprob_gap_max"] <= 1e-4  # every engine serving, the new one too
-        if r["step"] > (died[0] if died else 0):
-            assert r["rollout/engine_0_weight_version"] == r["rollout/engine_1_weight_version"] == r["step"] - 1
+        assert r["rollout/engine_0_weight_version"] == r["rollout/engine_1_weight_version"] == r["step"] - 1
 
 
 def test_a_killed_two_engine_run_resumes_exactly(tmp_path):
