@@ -6,6 +6,7 @@ Under torchrun/srun/mpirun every process is one rank; started by hand it runs tp
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -17,6 +18,10 @@ def _train_rank(config_yaml: str, hf_dir: str, verbose: bool) -> dict:
 
     cfg = config_from_yaml(config_yaml)
     launch = detect_launch_env()
+    if os.environ.get("OMP_NUM_THREADS"):  # chosen (by the user or main()) before torch started its pool
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     rank = launch.rank
     log = Path(cfg.trainer.output_dir) / "logs" / f"rank{rank:05d}.log"
     try:
@@ -68,14 +73,16 @@ def main(argv: list[str] | None = None) -> int:
 
     from rlfactory_megatron.config import ConfigError, load_config, to_yaml, validate_against_model
     from rlfactory_megatron.models.hf_arch import UnsupportedCheckpointError, load_arch
-    from rlfactory_megatron.models.resolve import resolve_model_path
     from rlfactory_megatron.runtime.console import verbose_requested
-    from rlfactory_megatron.runtime.distributed import run_as_job
     from rlfactory_megatron.runtime.launch_env import detect_launch_env
+    from rlfactory_megatron.runtime.threads import choose_threads
     from rlfactory_megatron.trainer.presets import apply_preset
 
     try:
         launch = detect_launch_env()
+        # Before the config is loaded: checking it imports torch. Started by hand, this process
+        # is the one rank (revised below for the ranks it spawns when tp*pp > 1).
+        chosen = choose_threads(launch.local_world_size if launch.launcher != "single" else 1)
         cfg = load_config(args.config, args.overrides)
         _, implied = apply_preset(cfg)  # written into config.yaml, so every rank and a resume see them
         if implied and launch.rank == 0:
@@ -83,6 +90,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(to_yaml(cfg))
             return 0
+        if chosen and launch.launcher == "single" and cfg.parallel.tp * cfg.parallel.pp > 1:
+            chosen = choose_threads(cfg.parallel.tp * cfg.parallel.pp, chosen_before=True)  # fresh processes read it
+        if chosen and launch.local_rank == 0:
+            print(f"rlf-train: {chosen}")
+        from rlfactory_megatron.models.resolve import resolve_model_path
+        from rlfactory_megatron.runtime.distributed import run_as_job
+
         hf_dir = resolve_model_path(cfg.model.path)
         arch = load_arch(hf_dir)
         world = launch.world_size if launch.launcher != "single" else cfg.parallel.tp * cfg.parallel.pp

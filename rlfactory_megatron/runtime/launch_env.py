@@ -15,17 +15,18 @@ class LaunchEnv:
     local_rank: int
     master_addr: str
     master_port: int
+    local_world_size: int = 1  # ranks of this job on this node
 
 
 # Order matters: torchrun inside an sbatch job also sees SLURM_* variables, and
 # srun --mpi=pmix sets both SLURM_* and PMIX_*; the most specific launcher wins.
-_LAUNCHERS: tuple[tuple[str, str, str, str], ...] = (
-    # (name, rank var, world var, local-rank var)
-    ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK"),
-    ("mpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
-    ("mpi", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
-    ("mpi", "PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK"),
-    ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+_LAUNCHERS: tuple[tuple[str, str, str, str, str], ...] = (
+    # (name, rank var, world var, local-rank var, ranks-on-this-node var)
+    ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    ("mpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("mpi", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    ("mpi", "PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK", "PMIX_LOCAL_SIZE"),
+    ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
 )
 
 
@@ -38,10 +39,16 @@ def _first_slurm_host(env) -> str | None:
     return match.group(1) + (match.group(2) or "")
 
 
+def _slurm_tasks_here(env) -> str | None:
+    # SLURM_TASKS_PER_NODE is "2(x3),1": this node's count is the first one's where the layout is even
+    match = re.match(r"(\d+)", env.get("SLURM_TASKS_PER_NODE", ""))
+    return match.group(1) if match else None
+
+
 def detect_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
     """Read the launcher's environment; a process started by hand is rank 0 of 1."""
     env = os.environ if environ is None else environ
-    for name, rank_var, world_var, local_var in _LAUNCHERS:
+    for name, rank_var, world_var, local_var, local_size_var in _LAUNCHERS:
         if rank_var in env and world_var in env:
             rank, world = int(env[rank_var]), int(env[world_var])
             local = int(env.get(local_var, env.get("LOCAL_RANK", rank)))
@@ -49,7 +56,8 @@ def detect_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
                 break  # inside an sbatch allocation but not in an srun step: a plain process
             addr = env.get("MASTER_ADDR") or (_first_slurm_host(env) if name == "slurm" else None) or "127.0.0.1"
             port = int(env.get("MASTER_PORT", 29500))
-            return LaunchEnv(name, rank, world, local, addr, port)
+            local_size = env.get(local_size_var) or (_slurm_tasks_here(env) if name == "slurm" else None)
+            return LaunchEnv(name, rank, world, local, addr, port, int(local_size or world))
     return LaunchEnv("single", 0, 1, 0, env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 0) or 0))
 
 

@@ -24,3 +24,30 @@ from rlfactory_megatron.runtime.launch_env import detect_launch_env
 def test_detect_launch_env(env, expected):
     got = detect_launch_env(env)
     assert (got.launcher, got.rank, got.world_size, got.local_rank, got.master_addr, got.master_port) == expected
+
+
+@pytest.mark.parametrize("env,ranks_here", [
+    ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}, 4),
+    ({"PMI_RANK": "1", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}, 2),
+    ({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, 4),
+    ({"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_STEP_ID": "0", "SLURM_TASKS_PER_NODE": "8(x2)"}, 8),
+    ({"PMI_RANK": "0", "PMI_SIZE": "2"}, 2),  # not said: every rank on this node
+    ({}, 1),
+])
+def test_ranks_on_this_node(env, ranks_here):
+    assert detect_launch_env(env).local_world_size == ranks_here
+
+
+def test_thread_choice_leaves_a_core_and_yields_to_the_user(monkeypatch):
+    from rlfactory_megatron.runtime import threads
+
+    assert [threads.threads_per_rank(cores, 1) for cores in (1, 2, 4, 16)] == [1, 1, 3, 15]
+    assert threads.threads_per_rank(16, 8) == 1 and threads.threads_per_rank(64, 8) == 7
+    monkeypatch.setattr(threads, "usable_cores", lambda: 4)
+    for var in threads.THREAD_VARIABLES:
+        monkeypatch.delenv(var, raising=False)
+    line = threads.choose_threads(ranks_on_node=1)
+    assert line.startswith("OMP_NUM_THREADS=3 per rank (4 usable cores, 1 rank(s) on this node")
+    assert threads.os.environ["OMP_NUM_THREADS"] == "3"
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert threads.choose_threads(ranks_on_node=1) is None and threads.os.environ["OMP_NUM_THREADS"] == "2"

@@ -21,10 +21,13 @@ def _mean(rows, key):
 
 def test_embedded_default_learns_to_use_the_tool(tmp_path):
     out = tmp_path / "default"
+    # As the README's first command runs it: no thread variables (rlf-train chooses and says so).
+    env = {k: v for k, v in env_for(tmp_path).items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     run = subprocess.run([str(BIN / "rlf-train"), f"trainer.output_dir={out}"], capture_output=True, text=True,
-                         env=env_for(tmp_path), timeout=1500)
+                         env=env, timeout=1500)
     assert run.returncode == 0, run.stderr[-3000:]
     assert f"metrics: {out / 'metrics.jsonl'}" in run.stdout  # where its outputs went
+    assert "rlf-train: OMP_NUM_THREADS=" in run.stdout  # the threads it chose
     logged = records(out)
     steps = [r for r in logged if r["step"] > 0]
     assert len(steps) == 30
