@@ -148,10 +148,15 @@ class MegatronEngine:
     @contextlib.contextmanager
     def fixed_lr(self, lr: float):
         """Train at `lr` without advancing the LR schedule: a warm-start phase (SFT) before the
-        run's own schedule, which then starts where it would have without the phase."""
+        run's own schedule, which then starts where it would have without the phase. Yields a
+        setter for the phase's own schedule."""
         self._fixed_lr = lr
+
+        def set_lr(value: float) -> None:
+            self._fixed_lr = value
+
         try:
-            yield
+            yield set_lr
         finally:
             self._fixed_lr = None
             self.scheduler.step(increment=0)  # puts the schedule's LR back on the param groups

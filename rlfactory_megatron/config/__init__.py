@@ -16,6 +16,7 @@ CHOICES: dict[str, tuple] = {
     "model.layer_spec": ("auto", "local_sdpa", "local", "transformer_engine"),
     "actor.optim.lr_decay_style": ("constant", "linear", "cosine"),
     "critic.optim.lr_decay_style": ("constant", "linear", "cosine"),
+    "trainer.sft_lr_decay_style": ("constant", "linear", "cosine"),
     "rollout.mode": ("colocated", "disaggregated"),
     "tools.channel": ("auto", "unix", "tcp"),
 }
@@ -24,7 +25,7 @@ POSITIVE_INTS = ("parallel.tp", "parallel.pp", "rollout.n", "rollout.tp", "actor
                  "trainer.prompts_per_step", "weight_sync.bucket_mb", "tools.max_turns", "trainer.sft_batch_size",
                  "trainer.max_skipped_updates", "rollout.max_prompt_tokens", "rollout.max_response_tokens",
                  "tools.tool_response_max_tokens", "tools.num_workers", "tools.max_concurrency", "reward.num_workers",
-                 "critic.ppo_epochs", "trainer.keep_last", "cache.tool_cache_max_mb")
+                 "critic.ppo_epochs", "trainer.keep_last", "cache.tool_cache_max_mb", "logging.log_every")
 NON_NEGATIVE = ("trainer.save_every", "trainer.val_every", "trainer.val_prompts", "trainer.sft_steps", "trainer.max_refill_rounds",
                 "actor.optim.warmup_steps", "critic.optim.warmup_steps", "actor.optim.min_lr", "critic.optim.min_lr",
                 "actor.optim.weight_decay", "critic.optim.weight_decay", "actor.optim.clip_grad",

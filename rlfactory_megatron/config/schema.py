@@ -10,54 +10,54 @@ class ModelConfig:
     path: str = "tiny://qwen3"  # HF folder, or tiny://<llama|qwen2|qwen3> for a locally built tiny model
     params_dtype: str = "float32"  # float32 | bfloat16 | float16
     layer_spec: str = "auto"  # auto (TE on GPU, local_sdpa on CPU) | local_sdpa | local | transformer_engine
-    recompute_activations: bool = False
+    recompute_activations: bool = False  # recompute each layer's activations in the backward pass (memory for time)
 
 
 @dataclass
 class ParallelConfig:
-    tp: int = 1
-    pp: int = 1
-    vpp: Optional[int] = None
-    sequence_parallel: bool = False
+    tp: int = 1  # tensor-parallel size of the actor, critic and reference (divides the heads)
+    pp: int = 1  # pipeline stages (divides the layers with vpp); dp = world / (tp * pp)
+    vpp: Optional[int] = None  # virtual pipeline stages per rank (interleaved schedule; needs pp >= 2)
+    sequence_parallel: bool = False  # megatron sequence parallelism within the TP group (tp >= 2)
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    warmup_steps: int = 0
+    lr: float = 1e-6  # peak learning rate of the Adam optimizer
+    min_lr: float = 0.0  # where linear/cosine decay ends
+    weight_decay: float = 0.0  # decoupled (AdamW) weight decay
+    adam_beta1: float = 0.9  # Adam's first-moment decay
+    adam_beta2: float = 0.999  # Adam's second-moment decay
+    adam_eps: float = 1e-8  # Adam's denominator epsilon
+    clip_grad: float = 1.0  # global gradient-norm clip (0: none)
+    warmup_steps: int = 0  # optimizer steps of linear warm-up from 0 to lr
     lr_decay_style: str = "constant"  # constant | linear | cosine
-    use_distributed_optimizer: bool = True
+    use_distributed_optimizer: bool = True  # megatron's ZeRO-1 optimizer sharding across DP on GPU (gloo cannot reduce-scatter: off on CPU)
 
 
 @dataclass
 class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
-    ppo_epochs: int = 1
-    mini_batch_size: int = 8
-    max_tokens_per_microbatch: int = 4096
+    ppo_epochs: int = 1  # passes over each step's trajectories
+    mini_batch_size: int = 8  # trajectories per optimizer step (a step's rows / this = optimizer steps per epoch)
+    max_tokens_per_microbatch: int = 4096  # token budget of one packed micro-batch per DP rank
     policy_loss: str = "ppo"  # a name in rlfactory_megatron.algorithms.POLICY_LOSSES
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float = 3.0
-    loss_agg_mode: str = "token-mean"
-    entropy_coeff: float = 0.0
-    kl_loss_coef: float = 0.0
+    clip_ratio_low: float = 0.2  # PPO ratio clip below 1 (1 - low)
+    clip_ratio_high: float = 0.2  # PPO ratio clip above 1 (1 + high; DAPO clip-higher uses 0.28)
+    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
+    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
+    entropy_coeff: float = 0.0  # entropy bonus weight
+    kl_loss_coef: float = 0.0  # KL-to-reference loss weight (> 0 builds the frozen reference model)
     kl_penalty: str = "low-var-kl"  # k1 | k2 | k3 | low-var-kl
-    use_fused_logprob: bool = True
+    use_fused_logprob: bool = True  # log-probs/entropy from hidden states by the fused vocab-parallel kernel (no full logits)
 
 
 @dataclass
 class CriticConfig:
-    enable: bool = False
+    enable: bool = False  # train a value model (GAE); trainer.algorithm=ppo turns it on
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
-    ppo_epochs: int = 1
-    cliprange_value: float = 0.5
+    ppo_epochs: int = 1  # passes of the value update over each step's trajectories
+    cliprange_value: float = 0.5  # clip of the new value around the old one in the value loss
 
 
 @dataclass
@@ -69,76 +69,77 @@ class RolloutConfig:
     mode: str = "colocated"
     num_engines: int = 0  # disaggregated: how many (>= 1); colocated: 0 (it is world / rollout.tp)
     engine: str = "vllm"  # a name in rlfactory_megatron.rollout.engines.ROLLOUT_ENGINES
-    n: int = 4
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_prompt_tokens: int = 256
-    max_response_tokens: int = 256
-    stop: list[str] = field(default_factory=list)
-    tp: int = 1
-    gpu_memory_utilization: float = 0.5
+    n: int = 4  # samples per prompt (a GRPO group)
+    temperature: float = 1.0  # sampling temperature (0 = greedy); the trainer's log-probs use the same
+    top_p: float = 1.0  # nucleus sampling mass (1: off)
+    top_k: int = -1  # -1: off
+    max_prompt_tokens: int = 256  # longer prompts are refused with the row named
+    max_response_tokens: int = 256  # token budget of a whole trajectory after the prompt (all turns and observations)
+    stop: list[str] = field(default_factory=list)  # extra stop strings (the tool format's end-of-turn ids always stop)
+    tp: int = 1  # tensor-parallel size of each engine
+    gpu_memory_utilization: float = 0.5  # vLLM's memory share (on CPU: of host memory, for its KV cache)
 
 
 @dataclass
 class WeightSyncConfig:
-    bucket_mb: int = 512
+    bucket_mb: int = 512  # weights move in buckets of this size (a fused q/k/v or gate/up group is never split)
     # a name in TRANSPORTS, or auto: the mode's own (colocated: in_process, disaggregated: broadcast)
     transport: str = "auto"
 
 
 @dataclass
 class ToolsConfig:
-    enable: bool = True
+    enable: bool = True  # false: single-turn, no tools
     format: str = "qwen3"  # qwen3 | qwen2_5 | llama3
     config_path: Optional[str] = None  # YAML file declaring tools
-    max_turns: int = 4
-    tool_response_max_tokens: int = 256
-    call_timeout_s: float = 10.0
-    num_workers: int = 2
-    max_concurrency: int = 64
+    max_turns: int = 4  # policy turns per trajectory
+    tool_response_max_tokens: int = 256  # an observation longer than this is truncated with a marker
+    call_timeout_s: float = 10.0  # a call running longer is that call's timeout error
+    num_workers: int = 2  # Ray actors running the tools
+    max_concurrency: int = 64  # calls in flight per actor
     channel: str = "auto"  # how calls reach the tool actors: auto (Unix socket on this node, else TCP) | unix | tcp
 
 
 @dataclass
 class RewardConfig:
-    scorer: str = "gsm8k"
+    scorer: Optional[str] = "gsm8k"  # a scorer name; null: each sample's data_source picks (openai/gsm8k -> gsm8k, ...)
     manager: str = "naive"  # naive | batch | prime | dapo
     # Options of the chosen manager, e.g. dapo: {max_response_length, overlong_buffer_len,
     # overlong_penalty_factor}; prime: {num_processes}. Checked against the manager's signature.
     manager_options: dict[str, Any] = field(default_factory=dict)
-    custom_function_path: Optional[str] = None
-    custom_function_name: Optional[str] = None
-    custom_function_kwargs: dict[str, Any] = field(default_factory=dict)
-    timeout_s: float = 10.0
-    num_workers: int = 1
+    custom_function_path: Optional[str] = None  # a Python file with your reward function (replaces the scorer)
+    custom_function_name: Optional[str] = None  # its name (default compute_score)
+    custom_function_kwargs: dict[str, Any] = field(default_factory=dict)  # extra keyword arguments it gets
+    timeout_s: float = 10.0  # per sample: a score taking longer is that sample's timeout error (scored 0)
+    num_workers: int = 1  # Ray actors scoring
 
 
 @dataclass
 class CacheConfig:
-    enable: bool = True
+    enable: bool = True  # the HDF5 rollout store and the tool-result cache
     dir: Optional[str] = None  # default: <trainer.output_dir>/cache
-    tool_cache_max_mb: int = 1024
-    tool_cache_ttl_s: Optional[float] = None
+    tool_cache_max_mb: int = 1024  # size cap of cached tool results (oldest evicted)
+    tool_cache_ttl_s: Optional[float] = None  # cached results older than this are not used (null: forever)
 
 
 @dataclass
 class TrainerConfig:
     algorithm: str = "grpo"  # ppo | grpo | dapo | gspo | reinforce_pp | rloo
-    total_steps: int = 20
-    prompts_per_step: int = 8
-    seed: int = 1234
-    output_dir: str = "outputs/default"
-    save_every: int = 10
-    keep_last: int = 2
+    total_steps: int = 20  # RL steps
+    prompts_per_step: int = 8  # prompts per step (each sampled rollout.n times)
+    seed: int = 1234  # every RNG, prompt order and each sample's sampling seed (from seed, step, row)
+    output_dir: str = "outputs/default"  # metrics, TensorBoard, checkpoints, cache, logs
+    save_every: int = 10  # checkpoint every N steps (0: never)
+    keep_last: int = 2  # checkpoints kept
     resume: str = "auto"  # auto | never | <checkpoint dir>
-    val_every: int = 5
-    val_prompts: int = 16
+    val_every: int = 5  # greedy validation every N steps and before RL (0: never)
+    val_prompts: int = 16  # held-out prompts per validation
     # Supervised warm-start before RL on demonstrations (the built-in task's, or a `demonstration`
     # column of trainer.data_path): steps, rows per step, and its own constant LR.
     sft_steps: int = 0
-    sft_batch_size: int = 32
-    sft_lr: float = 1e-3
+    sft_batch_size: int = 32  # demonstrations per warm-start step
+    sft_lr: float = 1e-3  # the warm-start's (peak) learning rate
+    sft_lr_decay_style: str = "constant"  # constant | linear | cosine: the warm-start's LR from sft_lr towards 0 over sft_steps
     data_path: Optional[str] = None  # parquet/jsonl; None = the built-in task `trainer.task`
     val_data_path: Optional[str] = None  # None: a held-out set (a fresh draw of the task, or data_path's last rows)
     task: str = "calculator_arithmetic"  # a name in rlfactory_megatron.trainer.tasks.TASKS
@@ -152,10 +153,10 @@ class TrainerConfig:
 
 @dataclass
 class LoggingConfig:
-    jsonl: bool = True
-    tensorboard: bool = True
-    wandb_project: Optional[str] = None
-    log_every: int = 1
+    jsonl: bool = True  # <output_dir>/metrics.jsonl, one object per step
+    tensorboard: bool = True  # <output_dir>/tensorboard
+    wandb_project: Optional[str] = None  # also log to this wandb project (wandb must be installed)
+    log_every: int = 1  # a console progress line every N steps (and the last); the metric files get every step
 
 
 @dataclass

@@ -9,8 +9,9 @@ from pathlib import Path
 
 class MetricsLogger:
     def __init__(self, output_dir: str | Path, total_steps: int, jsonl: bool = True, tensorboard: bool = True,
-                 wandb_project: str | None = None) -> None:
+                 wandb_project: str | None = None, progress_every: int = 1) -> None:
         self.dir = Path(output_dir)
+        self.progress_every = progress_every  # console lines; the metric files get every step
         self.dir.mkdir(parents=True, exist_ok=True)
         self.total_steps = total_steps
         self.jsonl = open(self.dir / "metrics.jsonl", "a") if jsonl else None
@@ -60,7 +61,9 @@ class MetricsLogger:
         if self.wandb:
             self.wandb.log(record, step=step)
         if progress:
-            print(self.progress_line(step, metrics), flush=True)
+            line = self.progress_line(step, metrics)  # also keeps the ETA's clock
+            if step % self.progress_every == 0 or step == self.total_steps:
+                print(line, flush=True)
 
     def text(self, tag: str, text: str, step: int) -> None:
         """Text (e.g. trajectories) under `tag` in TensorBoard's Text tab, shown as written."""

@@ -1,7 +1,8 @@
 """Supervised warm-start before RL: demonstrations rendered as the agent loop renders turns,
-trained on the assistant's tokens only, at a constant LR that leaves the RL schedule untouched."""
+trained on the assistant's tokens only, at its own LR (trainer.sft_lr, trainer.sft_lr_decay_style) that leaves the RL schedule untouched."""
 from __future__ import annotations
 
+import math
 import random
 import time
 
@@ -31,14 +32,27 @@ def demonstration_rows(records: list[PromptRecord], manager, tool_schemas, max_p
     return rows
 
 
+def sft_lr_at(step: int, steps: int, lr: float, style: str) -> float:
+    """The warm-start's LR at its step `step` (1-based): decay ends one step short of 0, so the
+    last step still learns."""
+    progress = (step - 1) / steps
+    if style == "linear":
+        return lr * (1.0 - progress)
+    if style == "cosine":
+        return lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return lr
+
+
 def sft_warm_start(actor, rows: list[tuple[list[int], list[int]]], cfg, verbose: bool) -> dict[str, float]:
-    """trainer.sft_steps optimizer steps at the constant trainer.sft_lr, each on a fresh seeded
-    draw of trainer.sft_batch_size rows; progress with rate and ETA every 10 steps."""
+    """trainer.sft_steps optimizer steps from trainer.sft_lr (constant, or decayed towards 0 by
+    trainer.sft_lr_decay_style), each on a fresh seeded draw of trainer.sft_batch_size rows;
+    progress with rate and ETA every 10 steps."""
     rng = random.Random(cfg.seed)
     start = time.perf_counter()
     metrics: dict[str, float] = {}
-    with actor.engine.fixed_lr(cfg.sft_lr):
+    with actor.engine.fixed_lr(cfg.sft_lr) as set_lr:
         for done in range(1, cfg.sft_steps + 1):
+            set_lr(sft_lr_at(done, cfg.sft_steps, cfg.sft_lr, cfg.sft_lr_decay_style))
             ids, masks = zip(*(rows[rng.randrange(len(rows))] for _ in range(cfg.sft_batch_size)))
             metrics = actor.sft_update(pad_rows(list(ids), list(masks)))
             if verbose and (done % 10 == 0 or done == cfg.sft_steps):

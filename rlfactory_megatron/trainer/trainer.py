@@ -65,6 +65,7 @@ class Trainer:
                               norm_length=cfg.rollout.max_response_tokens)
                        if self.preset.use_critic or cfg.critic.enable else None)
         self.records, self.val_records = self._load_records()
+        _check_data_sources_scored(cfg.reward, self.records + self.val_records)
         if cfg.trainer.sft_steps > 0 and not any(r.demonstration for r in self.records):
             raise ValueError(f"trainer.sft_steps={cfg.trainer.sft_steps} needs demonstrations: give "
                              f"trainer.data_path rows a 'demonstration' column, or set trainer.sft_steps=0")
@@ -74,7 +75,8 @@ class Trainer:
         self.plane = RolloutPlane(cfg, self.hf_dir, self.tokenizer, self.output)
         if self.is_leader:
             self.logger = MetricsLogger(self.output, cfg.trainer.total_steps, cfg.logging.jsonl,
-                                        cfg.logging.tensorboard, cfg.logging.wandb_project)
+                                        cfg.logging.tensorboard, cfg.logging.wandb_project,
+                                        progress_every=cfg.logging.log_every)
 
     # ------------------------------------------------------------------ set-up
     def _load_records(self) -> tuple[list[PromptRecord], list[PromptRecord]]:
@@ -295,3 +297,17 @@ def _place_on_last_token(scores: list[float], batch: RolloutBatch) -> torch.Tens
         if len(trained):
             rewards[row, int(trained[-1])] = float(score)
     return rewards
+
+
+def _check_data_sources_scored(reward, records: list[PromptRecord]) -> None:
+    """With reward.scorer null (and no custom function) each row's data_source picks its scorer:
+    a source without one would score every sample 0 with an error, so it is refused up front."""
+    if reward.scorer is not None or reward.custom_function_path:
+        return
+    from rlfactory_megatron.rewards.scorers import get_scorer
+
+    for source in sorted({r.data_source for r in records}):
+        try:
+            get_scorer(source)
+        except KeyError as exc:
+            raise ValueError(f"reward.scorer=null picks each row's scorer by its data_source, and {exc.args[0]}") from None

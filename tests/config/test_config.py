@@ -53,21 +53,38 @@ def test_inconsistent_parallel_sizes_are_rejected(tp, pp, vpp, world, message):
         validate_against_model(cfg, ARCH, world)
 
 
-@pytest.mark.parametrize("name", ["qwen2_5_7b_grpo_8gpu.yaml", "qwen3_8b_grpo_2node.yaml"])
-def test_example_cluster_configs_load_and_fit_their_models(name):
+# Shapes of the real models (from their config.json), to check each example's layout fits them.
+REAL_SHAPES = {
+    "qwen2_7b": dict(model_type="qwen2", num_hidden_layers=28, hidden_size=3584, intermediate_size=18944,
+                     num_attention_heads=28, num_key_value_heads=4, vocab_size=152064),  # Qwen2(.5)-7B
+    "qwen3_8b": dict(model_type="qwen3", num_hidden_layers=36, hidden_size=4096, intermediate_size=12288,
+                     num_attention_heads=32, num_key_value_heads=8, vocab_size=151936),
+    "llama3_1_8b": dict(model_type="llama", num_hidden_layers=32, hidden_size=4096, intermediate_size=14336,
+                        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256),
+}
+
+
+@pytest.mark.parametrize("name,model,world", [
+    ("qwen2_5_7b_grpo_8gpu.yaml", "qwen2_7b", 8), ("qwen2_7b_ppo_megatron.yaml", "qwen2_7b", 8),
+    ("qwen3_8b_grpo_2node.yaml", "qwen3_8b", 16), ("llama3_1_8b_grpo_8gpu.yaml", "llama3_1_8b", 8),
+])
+def test_example_cluster_configs_load_and_fit_their_models(name, model, world):
     from pathlib import Path
 
     import rlfactory_megatron.config as config_pkg
 
     cfg = load_config(Path(config_pkg.__file__).parent / "examples" / name)
-    # Shapes of the real models (from their config.json), to check each layout fits them.
-    shapes = {"qwen2_5": dict(model_type="qwen2", num_hidden_layers=28, hidden_size=3584, intermediate_size=18944,
-                              num_attention_heads=28, num_key_value_heads=4, vocab_size=152064),
-              "qwen3": dict(model_type="qwen3", num_hidden_layers=36, hidden_size=4096, intermediate_size=12288,
-                            num_attention_heads=32, num_key_value_heads=8, vocab_size=151936)}
-    arch = arch_from_hf_config(shapes["qwen3" if name.startswith("qwen3") else "qwen2_5"])
-    world = 16 if "2node" in name else 8
-    validate_against_model(cfg, arch, world)
+    validate_against_model(cfg, arch_from_hf_config(REAL_SHAPES[model]), world)
+
+
+def test_every_example_config_is_checked():
+    from pathlib import Path
+
+    import rlfactory_megatron.config as config_pkg
+
+    names = {p.name for p in (Path(config_pkg.__file__).parent / "examples").glob("*.yaml")}
+    checked = {args[0] for args in test_example_cluster_configs_load_and_fit_their_models.pytestmark[0].args[1]}
+    assert names == checked
 
 
 @pytest.mark.parametrize("override,message", [

@@ -1,0 +1,96 @@
+"""The configuration reference (docs/configuration.md), generated from schema.py: every key with
+its type, default and the comments written beside it in the schema, so the reference cannot
+drift from what `rlf-train` accepts (a test compares the file with this output).
+
+    .venv/bin/python -m rlfactory_megatron.config.reference > docs/configuration.md
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import io
+import tokenize
+import typing
+
+from rlfactory_megatron.config import schema
+
+HEADER = """# Configuration reference
+
+Generated from `rlfactory_megatron/config/schema.py` by
+`.venv/bin/python -m rlfactory_megatron.config.reference > docs/configuration.md`; do not edit by
+hand (`tests/docs/test_docs.py` fails when this file and the schema differ). Defaults here are
+the schema's; the embedded default run (`rlfactory_megatron/config/default.yaml`) sets a few
+others. Set a key in a YAML file (`--config`) or on the command line (`section.key=value`).
+"""
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    """Comment lines above a field and the comment after it, joined, per field name."""
+    source = inspect.getsource(cls)
+    comments: dict[str, str] = {}
+    pending: list[str] = []
+    line_of_field: dict[int, str] = {}
+    for i, line in enumerate(source.splitlines(), start=1):
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            pending.append(stripped.lstrip("#").strip())
+            continue
+        name = stripped.split(":", 1)[0]
+        if stripped and name.isidentifier() and ":" in stripped and not stripped.startswith(("class", "def", "@")):
+            line_of_field[i] = name
+            if pending:
+                comments[name] = " ".join(pending)
+        pending = []
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT and token.start[0] in line_of_field and token.line.strip()[:1] != "#":
+            name = line_of_field[token.start[0]]
+            trailing = token.string.lstrip("#").strip()
+            comments[name] = f"{comments[name]} {trailing}" if name in comments else trailing
+    return comments
+
+
+def _type_name(tp: typing.Any) -> str:
+    if isinstance(tp, str):
+        return tp.replace("Optional[", "").rstrip("]") + " or null" if tp.startswith("Optional[") else tp
+    return getattr(tp, "__name__", str(tp))
+
+
+def _default(value: typing.Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def _rows(defaults: typing.Any, prefix: str) -> list[tuple[str, str, str, str]]:
+    """One row per key of the dataclass instance `defaults` (nested sections by their own
+    defaults: critic.optim's learning rate is the critic's, not OptimConfig's)."""
+    comments = _field_comments(type(defaults))
+    rows = []
+    for f in dataclasses.fields(defaults):
+        value = getattr(defaults, f.name)
+        if dataclasses.is_dataclass(value):
+            rows.extend(_rows(value, f"{prefix}{f.name}."))
+            continue
+        rows.append((f"{prefix}{f.name}", _type_name(f.type), _default(value), comments.get(f.name, "")))
+    return rows
+
+
+def render() -> str:
+    out = [HEADER]
+    root = schema.RLFConfig()
+    for section in dataclasses.fields(root):
+        cls = getattr(schema, str(section.type))
+        doc = inspect.getdoc(cls) or ""
+        out.append(f"\n## `{section.name}`\n")
+        if doc and not doc.startswith(cls.__name__ + "("):  # a dataclass's generated signature is no doc
+            out.append(doc + "\n")
+        out.append("| key | type | default | what it does |\n| --- | --- | --- | --- |")
+        for key, type_name, default, comment in _rows(getattr(root, section.name), f"{section.name}."):
+            out.append(f"| `{key}` | {type_name} | `{default}` | {comment.replace('|', chr(92) + '|')} |")
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    print(render(), end="")
