@@ -16,5 +16,7 @@ for _name, _what in (
     ("cache", "HDF5 rollout cache write/read MB/s and lookup latency vs raw disk"),
     ("logprob", "fused vocab-parallel log-prob/entropy vs naive log_softmax"),
     ("e2e", "end-to-end GRPO step phases and tokens/s vs TRL"),
+    ("sweep", "a grid of benchmark runs, one JSON per point with its environment, a table and plots"),
+    ("learn", "the embedded default's learning over seeds and thread settings (table + curves)"),
 ):
     BENCHMARKS.register(_name, _what)

@@ -91,7 +91,7 @@ def main(argv: list[str]) -> int:
         if "RAY_ADDRESS" in os.environ:
             ray.init(log_to_driver=False)
         else:
-            ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False)
+            ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, log_to_driver=False)
     rng = random.Random(0)
     batches = {name: BATCHES[name](args.batch_size, rng) for name in set(scorers) | {args.overlap_scorer}}
     overlap_batch = batches[args.overlap_scorer]

@@ -75,7 +75,7 @@ def main(argv: list[str]) -> int:
                        head_dim=64, vocab_size=4096)
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     init_distributed(ParallelSizes(1, 1))
-    ray.init(num_cpus=max(3, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=max(3, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
     gpus = 1 if torch.cuda.is_available() else 0
     engines = [RayVLLMEngine(hf_dir, num_cpus=1, num_gpus=gpus, max_model_len=args.prompt_tokens + args.max_tokens,
                              memory_utilization=0.2) for _ in range(2)]

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import time
+from pathlib import Path
 
 from rlfactory_megatron.envs.tool_pool import ToolPool, ToolPoolConfig, ensure_ray
 from rlfactory_megatron.envs.tools import ToolBox, ToolSpec
@@ -56,6 +58,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--max-concurrency", type=int, default=128, help="calls in flight per actor")
     parser.add_argument("--cpus-per-actor", type=float, default=0.5)
     parser.add_argument("--target", type=float, default=0.90, help="exit 1 below this fraction of ideal")
+    parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
 
     ensure_ray(num_cpus=os.cpu_count())
@@ -70,4 +73,6 @@ def main(argv: list[str]) -> int:
           f"{r['latency_p99_s'] * 1e3:.1f} ms (tool itself: {args.latency_ms:g} ms)")
     fraction = r["pool"] / r["ideal"]
     print(f"  target >= {args.target:.0%} of ideal: {'met' if fraction >= args.target else 'NOT met'}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({**r, "pool_fraction_of_ideal": fraction, "target": args.target}, indent=2))
     return 0 if fraction >= args.target else 1
