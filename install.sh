@@ -17,13 +17,20 @@ for arg in "$@"; do
   esac
 done
 
-# Debian packages: bubblewrap, the python tool's filesystem sandbox (it refuses to run without).
-if ! command -v bwrap >/dev/null 2>&1; then
+# Debian packages: bubblewrap, the python tool's filesystem sandbox (it refuses to run without);
+# Slurm and munge, the real scheduler the test suite runs the sbatch templates on.
+debian_packages=()
+command -v bwrap >/dev/null 2>&1 || debian_packages+=(bubblewrap)
+for tool in slurmctld:slurmctld slurmd:slurmd sbatch:slurm-client munged:munge; do
+  command -v "${tool%%:*}" >/dev/null 2>&1 || [ -x "/usr/sbin/${tool%%:*}" ] || debian_packages+=("${tool##*:}")
+done
+if [ ${#debian_packages[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "install.sh: installing Debian's bubblewrap"
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null
+    echo "install.sh: installing Debian's ${debian_packages[*]}"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${debian_packages[@]}" >/dev/null
   else
-    echo "install.sh: bubblewrap (bwrap) is missing; install it (e.g. sudo apt-get install bubblewrap), else the python tool refuses to run" >&2
+    echo "install.sh: missing Debian packages ${debian_packages[*]} (e.g. sudo apt-get install ${debian_packages[*]}):" \
+         "without bubblewrap the python tool refuses to run; without Slurm the sbatch tests cannot run" >&2
   fi
 fi
 

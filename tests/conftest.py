@@ -33,7 +33,7 @@ def ray_session():
 
     if not ray.is_initialized():
         envs_tests = str(Path(__file__).resolve().parent / "envs")
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"PYTHONPATH": envs_tests}})
     yield ray
     ray.shutdown()

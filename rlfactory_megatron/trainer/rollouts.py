@@ -292,7 +292,9 @@ class RolloutPlane:
             if self.disaggregated:
                 needed += self.cfg.rollout.num_engines * self.cfg.rollout.tp
             with _engine_gpus_only(self.disaggregated and not address) as gpus:
-                ray.init(address=address, num_cpus=None if address else max(needed, os.cpu_count() or 2),
+                # "local": without RAY_ADDRESS a fresh cluster, never one a `ray start` on this host
+                # left running (or a stale record of one in /tmp/ray) that Ray would otherwise join.
+                ray.init(address=address or "local", num_cpus=None if address else max(needed, os.cpu_count() or 2),
                          num_gpus=gpus, include_dashboard=False, log_to_driver=False)
         if self.disaggregated and torch.cuda.is_available():
             wanted, have = self.cfg.rollout.num_engines * self.cfg.rollout.tp, ray.cluster_resources().get("GPU", 0)

@@ -1,0 +1,121 @@
+"""The sbatch templates on a real Slurm (slurmctld, two slurmd "nodes", munge): a two-node
+training job starts Ray's head and worker, runs torchrun on both nodes (DP across them), trains,
+writes metrics, stops Ray and exits 0; a job whose rank is killed ends non-zero within a bounded
+time with the failing rank in its log and no allocation left; the conversion template converts."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "docs"))
+from blocks import block_env, workdir  # noqa: E402
+
+TINY = ["trainer.total_steps=2", "trainer.sft_steps=2", "trainer.prompts_per_step=2", "rollout.n=2",
+        "trainer.val_every=0", "trainer.save_every=0", "rollout.max_response_tokens=32", "tools.num_workers=1"]
+# The template asks for a GPU node's resources; these "nodes" have 2 CPUs and no GPUs.
+CPU_NODES = ["--gpus-per-node=0", "--cpus-per-task=1"]
+
+
+def _job_output(work: Path, job_id: str) -> str:
+    path = work / f"rlf-train-{job_id}.out"
+    return path.read_text() if path.exists() else f"(no {path.name})"
+
+
+def _job_id(stdout: str) -> str:
+    return stdout.split()[-1]  # "Submitted batch job 7"
+
+
+def _ray_processes_of(port: int) -> list[str]:
+    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if "ray" in line and f":{port}" in line or f"--port={port}" in line]
+
+
+def test_two_node_training_job(slurm, tmp_path):
+    work = workdir(tmp_path)
+    done = slurm.sbatch("--nodes=2", *CPU_NODES, "slurm/train.sbatch", *TINY, "trainer.output_dir=outputs/slurm",
+                        cwd=work, env=block_env(tmp_path), timeout=1200)
+    job = _job_id(done.stdout)
+    log = _job_output(work, job)
+    assert done.returncode == 0, log[-4000:]
+    assert "on n1 n2: 1 rank(s) per node" in log and "training exited with status 0" in log
+    assert "on 2 rank(s)" in log and "step 2/2 | reward" in log  # torchrun on both nodes: world 2, dp 2
+    steps = [json.loads(line) for line in (work / "outputs" / "slurm" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in steps if r["step"] > 0] == [1, 2]
+    assert all(r["rollout/num_engines"] == 2 and r["train/dp_rows_min"] >= 1 for r in steps if r["step"] > 0)
+    assert slurm.squeue() == ""  # nothing left allocated
+    ray_port = 20000 + int(job) % 20000 + 1
+    assert _ray_processes_of(ray_port) == []  # Ray stopped with the job
+
+
+def _rank_pid(job: str, rank: int) -> int | None:
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            env = dict(kv.split("=", 1) for kv in (proc / "environ").read_text().split("\0") if "=" in kv)
+            cmdline = (proc / "cmdline").read_text()
+        except OSError:
+            continue
+        if env.get("SLURM_JOB_ID") == job and env.get("RANK") == str(rank) and "rlfactory_megatron.cli.train" in cmdline:
+            return int(proc.name)
+    return None
+
+
+def test_killed_rank_ends_the_job_non_zero(slurm, tmp_path):
+    work = workdir(tmp_path)
+    env = {**slurm.env(), **block_env(tmp_path)}
+    args = [*TINY, "trainer.total_steps=50", "trainer.output_dir=outputs/killed"]
+    submitted = subprocess.run(["sbatch", "--parsable", "--nodes=2", *CPU_NODES, "slurm/train.sbatch", *args],
+                               cwd=work, env=env, capture_output=True, text=True, check=True)
+    job = submitted.stdout.strip().split(";")[0]
+    metrics = work / "outputs" / "killed" / "metrics.jsonl"
+    deadline = time.monotonic() + 900
+    while not (metrics.exists() and '"step": 1' in metrics.read_text()):  # training is under way
+        assert time.monotonic() < deadline and job in slurm.squeue(), _job_output(work, job)[-3000:]
+        time.sleep(1)
+    pid = _rank_pid(job, rank=1)
+    assert pid, "no rank-1 process found"
+    os.kill(pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    while job in slurm.squeue():
+        assert time.monotonic() - killed_at < 180, "the job outlived its killed rank by 3 minutes"
+        time.sleep(1)
+    state = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True).stdout
+    log = _job_output(work, job)
+    assert "training exited with status 0" not in log and "training exited with status" in log, log[-3000:]
+    assert "ExitCode=0:0" not in state, state
+    # which rank failed, and how: torchrun's report ("rank : 1 (local_rank: 0)", "exitcode : -9 ... (SIGKILL)")
+    assert re.search(r"rank\s*:\s*1 \(local_rank", log) and "SIGKILL" in log, log[-3000:]
+    assert slurm.squeue() == ""
+
+
+def test_convert_job(slurm, tmp_path):
+    from rlfactory_megatron.models.resolve import resolve_model_path
+
+    env = block_env(tmp_path)
+    os.environ.setdefault("RLF_CACHE_HOME", env["RLF_CACHE_HOME"])
+    hf_dir = resolve_model_path("tiny://qwen3")
+    work = workdir(tmp_path)
+    out = tmp_path / "mcore"
+    done = slurm.sbatch("--ntasks=2", "--gpus-per-task=0", "slurm/convert.sbatch", "hf-to-mcore", "--hf-dir",
+                        str(hf_dir), "--out", str(out), "--tp", "2", cwd=work, env=env, timeout=600)
+    log_path = work / f"rlf-convert-{_job_id(done.stdout)}.out"
+    assert done.returncode == 0, log_path.read_text()[-3000:] if log_path.exists() else done.stderr
+    assert (out / "metadata.json").is_file() or any(out.rglob("*.distcp")), sorted(p.name for p in out.rglob("*"))
+
+
+def test_bench_sweep_job(slurm, tmp_path):
+    work = workdir(tmp_path)
+    out = tmp_path / "sweep"
+    done = slurm.sbatch("--gpus-per-node=0", "slurm/bench.sbatch", "logprob", "--grid", "tokens=64", "--out",
+                        str(out), "--", "--vocab", "512", "--hidden", "32", cwd=work, env=block_env(tmp_path),
+                        timeout=600)
+    log_path = work / f"rlf-bench-{_job_id(done.stdout)}.out"
+    assert done.returncode == 0, log_path.read_text()[-3000:] if log_path.exists() else done.stderr
+    point = json.loads((out / "points" / "000-logprob.json").read_text())
+    assert point["environment"]["layout"]["SLURM_JOB_ID"] == _job_id(done.stdout)  # the job is on record
+    assert "| 0 | logprob | --tokens=64 | ok |" in (out / "sweep.md").read_text()
