@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Qwen3-8B, DAPO-style GRPO with tools on MATH, 2 nodes x 8 GPUs (tp=4 pp=2 dp=2).
+# With Slurm (Ray head/worker and torchrun on each node come from the sbatch script):
+#   MODEL=/models/Qwen3-8B DATA=~/data/math sbatch --nodes=2 examples/grpo_qwen3_8b_2node.sh
+# Without Slurm, on each node (NODE_RANK 0 and 1, MASTER_ADDR = node 0's address):
+#   MODEL=... DATA=... examples/grpo_qwen3_8b_2node.sh NODE_RANK 2 MASTER_ADDR
+#SBATCH --job-name=rlf-qwen3-8b
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=8
+#SBATCH --exclusive
+#SBATCH --output=logs/%x-%j.out
+set -euo pipefail
+cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"
+MODEL=${MODEL:-/models/Qwen3-8B}
+DATA=${DATA:-$HOME/data/math}
+[ -f "$DATA/train.parquet" ] || .venv/bin/python examples/data_preprocess/math_dataset.py --out "$DATA"
+args=(--config rlfactory_megatron/config/examples/qwen3_8b_grpo_2node.yaml model.path="$MODEL"
+      trainer.data_path="$DATA/train.parquet" trainer.val_data_path="$DATA/test.parquet")
+if [ -n "${SLURM_JOB_ID:-}" ]; then
+  exec bash slurm/train.sbatch "${args[@]}" "$@"
+fi
+[ $# -ge 3 ] || { echo "usage: $0 NODE_RANK NNODES MASTER_ADDR [overrides...] (or sbatch it)" >&2; exit 2; }
+node_rank=$1 nnodes=$2 master=$3; shift 3
+RLF_NPROC_PER_NODE=${GPUS:-8} exec scripts/launch_multinode.sh "$node_rank" "$nnodes" "$master" -- "${args[@]}" "$@"
