@@ -1,27 +1,36 @@
 """`rlf-train` end to end on the tiny model: GRPO with the calculator tool in Ray, rewards in Ray,
 weight sync into vLLM, metrics/TensorBoard/checkpoints; a run killed with SIGKILL resumes and
-continues exactly; DAPO's dynamic sampling; bad config fails before any work."""
+continues exactly (at tp=2 by hand: two engines, one per TP rank); DAPO's dynamic sampling; bad
+config fails before any work."""
 import os
 import sys
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from rlf_train_cli import TIMING_KEYS, kill_after_checkpoint, records, rlf_train  # noqa: E402
+from rlf_train_cli import TIMING_KEYS, kill_after_checkpoint, records, rlf_train, stored_trajectories  # noqa: E402
 
 from rlfactory_megatron.envs.storage import RolloutStore  # noqa: E402
 
 
+# LR warm-up over 4 steps: the SFT warm-start trains at its own LR without advancing it. tp=2:
+# two engines (one per TP rank, each writing its shard); mini-batches of 2 rows: several optimizer
+# steps per RL step, so the resumed optimizer and LR schedule are exercised within a step too.
+RESUMED_RUN = ("trainer.total_steps=4", "actor.optim.warmup_steps=4", "actor.optim.lr=1e-6", "parallel.tp=2",
+               "actor.mini_batch_size=2")
+
+
 def test_killed_run_resumes_and_continues_exactly(tmp_path):
-    # LR warm-up over 4 steps: the SFT warm-start trains at its own LR without advancing it.
-    full = rlf_train(tmp_path, "full", "trainer.total_steps=4", "actor.optim.warmup_steps=4", "actor.optim.lr=1e-6")
+    full = rlf_train(tmp_path, "full", *RESUMED_RUN)
     assert full.returncode == 0, full.stderr[-3000:]
     assert "SFT warm-start done" in full.stdout and "validation before RL" in full.stdout
     assert "step 4/4 | reward" in full.stdout
     run = tmp_path / "full"
     uninterrupted = records(run)
     assert [r["step"] for r in uninterrupted] == [0, 1, 2, 3, 4]  # step 0: validation before RL
-    assert [r["actor/lr"] for r in uninterrupted[1:]] == pytest.approx([2.5e-7, 5e-7, 7.5e-7, 1e-6])
+    assert all(r["rollout/num_engines"] == 2 for r in uninterrupted[1:])
+    # 2 optimizer steps per RL step: the LR after each RL step's last one
+    assert [r["actor/lr"] for r in uninterrupted[1:]] == pytest.approx([5e-7, 1e-6, 1e-6, 1e-6])
     for key in ("reward/score/mean", "actor/pg_loss", "actor/grad_norm", "time/generate_s", "time/update_s",
                 "time/sync_s", "perf/tokens_per_s", "rollout/response_tokens_mean", "val/score_mean"):
         assert key in uninterrupted[-1], key
@@ -46,9 +55,8 @@ def test_killed_run_resumes_and_continues_exactly(tmp_path):
                 assert all(r.advantages[r.loss_mask == 0] == 0)  # nothing to learn from tool output
     assert (run / "cache" / "tool_artifacts").is_dir()
 
-    kill_after_checkpoint(tmp_path, "killed", "step_000002", "trainer.total_steps=4", "actor.optim.warmup_steps=4",
-                          "actor.optim.lr=1e-6")
-    resumed = rlf_train(tmp_path, "killed", "trainer.total_steps=4", "actor.optim.warmup_steps=4", "actor.optim.lr=1e-6")
+    kill_after_checkpoint(tmp_path, "killed", "step_000002", *RESUMED_RUN)
+    resumed = rlf_train(tmp_path, "killed", *RESUMED_RUN)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "step_000002 at step 2" in resumed.stdout
     assert "SFT warm-start done" not in resumed.stdout  # warm-start belongs to a fresh run only
@@ -61,6 +69,7 @@ def test_killed_run_resumes_and_continues_exactly(tmp_path):
         assert compared <= set(mine), compared - set(mine)
         for key in compared:
             assert mine[key] == theirs[key], (mine["step"], key, mine[key], theirs[key])
+    assert stored_trajectories(tmp_path / "killed") == stored_trajectories(run)  # each trajectory once, as trained
 
 
 def test_dapo_drops_uniform_groups_and_applies_its_settings(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from rlf_train_cli import (  # noqa: E402
-    TIMING_KEYS, kill_after_checkpoint, records, rlf_train, stored_trajectories, torchrun_train)
+    TIMING_KEYS, records, rlf_train, stored_trajectories, torchrun_train)
 
 # mini_batch_size=2: several optimizer steps per RL step, so the trainer computes old log-probs
 # and the engines' log-probs are compared with them (rollout/logprob_gap_max) at every step.
@@ -61,27 +61,8 @@ def test_two_engines_colocated_or_disaggregated_make_the_samples_one_engine_make
                 assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), (mine["step"], key)
 
 
-@pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.pp=2"])
-def test_two_engines_fed_by_one_model_parallel_group(tmp_path, layout):
-    # A loss the user names wins over the algorithm's (grpo's is ppo).
-    out = rlf_train(tmp_path, "run", layout, *RUN, "actor.policy_loss=dual-clip")
-    assert out.returncode == 0, out.stderr[-3000:]
-    run = records(tmp_path / "run")
-    _assert_every_engine_generated(run, 2)
-    assert all("actor/dual_clip_frac" in r for r in run[1:])
-    assert all(math.isfinite(r["actor/pg_loss"]) for r in run[1:])
-    assert len(list((tmp_path / "run" / "cache" / "rollouts").iterdir())) == 2
-
-
-def test_one_tensor_parallel_engine_across_a_tensor_parallel_group(tmp_path):
-    # rollout.tp=2 under torchrun: one vLLM engine with two TP workers of its own (on a CPU with
-    # one NUMA node their threads go unpinned), fed by the TP group's two ranks.
-    out = torchrun_train(tmp_path, "run", 2, "parallel.tp=2", "rollout.tp=2", *RUN)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("rlf-train: grpo on") == 1  # rank 0 speaks for the job
-    run = records(tmp_path / "run")
-    _assert_every_engine_generated(run, 1)
-    assert [p.name for p in (tmp_path / "run" / "cache" / "rollouts").iterdir()] == ["shard-00000-of-00001.h5"]
+# Two engines fed by one model-parallel group (tp=2 or pp=2 by hand): tests/trainer/test_rlf_train_parallel.py.
+# One TP engine across a TP group (rollout.tp=2, two per node): tests/trainer/test_multinode.py.
 
 
 def test_a_disaggregated_engine_killed_mid_step_is_replaced_and_no_trajectory_changes(tmp_path):
@@ -116,18 +97,4 @@ def test_a_disaggregated_engine_killed_mid_step_is_replaced_and_no_trajectory_ch
         assert r["rollout/engine_0_weight_version"] == r["rollout/engine_1_weight_version"] == r["step"] - 1
 
 
-def test_a_killed_two_engine_run_resumes_exactly(tmp_path):
-    steps = ("trainer.total_steps=4", "trainer.save_every=2", "parallel.tp=2", "actor.mini_batch_size=2",
-             "trainer.val_every=0")
-    full = rlf_train(tmp_path, "full", *steps)
-    assert full.returncode == 0, full.stderr[-3000:]
-    kill_after_checkpoint(tmp_path, "killed", "step_000002", *steps)
-    resumed = rlf_train(tmp_path, "killed", *steps)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "step_000002 at step 2" in resumed.stdout
-    uninterrupted, after = records(tmp_path / "full"), records(tmp_path / "killed")
-    assert [r["step"] for r in after] == [r["step"] for r in uninterrupted] == [1, 2, 3, 4]
-    for mine, theirs in zip(after, uninterrupted):
-        for key in (k for k in theirs if not any(t in k for t in TIMING_KEYS)):
-            assert mine[key] == theirs[key], (mine["step"], key)
-    assert stored_trajectories(tmp_path / "killed") == stored_trajectories(tmp_path / "full")
+# A killed two-engine run resumes exactly: tests/trainer/test_rlf_train.py.
