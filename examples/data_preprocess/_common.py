@@ -11,7 +11,9 @@ def load_splits(source: str, name: str | None, splits: tuple[str, ...]) -> dict[
 
     local = Path(source).expanduser()
     if local.exists():
-        loaded = datasets.load_dataset(str(local))
+        # A local copy of a hub repo keeps each config in a folder of its own (gsm8k: main/, socratic/)
+        folder = local / name if name and (local / name).is_dir() else local
+        loaded = datasets.load_dataset(str(folder))
     else:
         loaded = datasets.load_dataset(source, name) if name else datasets.load_dataset(source)
     missing = [s for s in splits if s not in loaded]

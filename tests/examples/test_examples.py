@@ -28,10 +28,22 @@ MATH_ROWS = [
 ]
 
 
-def _local_copy(folder: Path, rows: list[dict]) -> Path:
-    folder.mkdir(parents=True)
+def _local_copy(folder: Path, rows: list[dict], config: str | None = None) -> Path:
+    """The dataset's files as the hub keeps them: jsonl per split, or (with a config name, as
+    openai/gsm8k has main/ and socratic/) parquet shards in the config's folder."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    where = folder / config if config else folder
+    where.mkdir(parents=True)
     for split in ("train", "test"):
-        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        if config:
+            pq.write_table(pa.Table.from_pylist(rows), where / f"{split}-00000-of-00001.parquet")
+        else:
+            (where / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if config:  # another config beside it, which must not be mixed in
+        (folder / "socratic").mkdir()
+        pq.write_table(pa.Table.from_pylist(rows[:1]), folder / "socratic" / "train-00000-of-00001.parquet")
     return folder
 
 
@@ -46,7 +58,7 @@ def test_gsm8k_rows_carry_the_reference_number_and_score_right(tmp_path):
     from rlfactory_megatron.rewards.scorers import get_scorer
     from rlfactory_megatron.trainer.data import load_prompts
 
-    _preprocess("gsm8k.py", _local_copy(tmp_path / "gsm8k", GSM8K_ROWS), tmp_path / "out")
+    _preprocess("gsm8k.py", _local_copy(tmp_path / "gsm8k", GSM8K_ROWS, config="main"), tmp_path / "out")
     rows = load_prompts(str(tmp_path / "out" / "train.parquet"))
     assert [r.ground_truth for r in rows] == ["1234", "42"]
     assert rows[0].messages[0]["role"] == "user" and "1,200 apples" in rows[0].messages[0]["content"]
@@ -79,14 +91,15 @@ def test_example_scripts_parse_and_name_configs_that_exist(script):
 
 
 def test_gsm8k_tool_example_trains_through_its_script(tmp_path):
+    # 20 rows in the hub's GSM8K layout (main/train-00000-of-00001.parquet: question, answer)
     data = tmp_path / "data"
-    _preprocess("gsm8k.py", _local_copy(tmp_path / "gsm8k", GSM8K_ROWS * 4), data, rows=8)
+    _preprocess("gsm8k.py", _local_copy(tmp_path / "gsm8k", GSM8K_ROWS * 10, config="main"), data, rows=20)
     out = tmp_path / "run"
     # The 8-GPU config's model, precision and layout, swapped for what a 2-core CPU can run.
     cpu = ["model.params_dtype=float32", "model.layer_spec=auto", "model.recompute_activations=false",
            "parallel.tp=1", "rollout.tp=1", "rollout.gpu_memory_utilization=0.1", "rollout.max_prompt_tokens=512",
            "rollout.max_response_tokens=32", "actor.mini_batch_size=4", "actor.max_tokens_per_microbatch=4096",
-           "tools.num_workers=1", "reward.num_workers=1", "trainer.total_steps=1", "trainer.save_every=0"]
+           "tools.num_workers=1", "reward.num_workers=1", "trainer.total_steps=2", "trainer.save_every=0"]
     run = subprocess.run([str(EXAMPLES / "grpo_qwen2_5_7b_gsm8k_tools.sh"), *SMALL, *cpu, "trainer.sft_steps=0",
                           f"trainer.output_dir={out}"],
                          env={**env_for(tmp_path), "MODEL": "tiny://qwen2", "DATA": str(data), "GPUS": "1",
@@ -94,6 +107,6 @@ def test_gsm8k_tool_example_trains_through_its_script(tmp_path):
                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     logged = records(out)
-    assert [r["step"] for r in logged if r["step"] > 0] == [1]
+    assert [r["step"] for r in logged if r["step"] > 0] == [1, 2]
     config = (out / "config.yaml").read_text()
     assert "config_path: examples/tools/calculator.yaml" in config and "data_path: " + str(data) in config
