@@ -91,6 +91,23 @@ def test_killed_rank_ends_the_job_non_zero(slurm, tmp_path):
     # which rank failed, and how: torchrun's report ("rank : 1 (local_rank: 0)", "exitcode : -9 ... (SIGKILL)")
     assert re.search(r"rank\s*:\s*1 \(local_rank", log) and "SIGKILL" in log, log[-3000:]
     assert slurm.squeue() == ""
+    # The killed rank's vLLM engine process (its child) outlives it: this test cluster tracks a
+    # job's processes by parentage (proctrack/linuxproc), which an orphan escapes; a cluster on
+    # proctrack/cgroup ends it with the job. Ended here, so that it holds no memory for later tests.
+    # (vLLM renames its processes, which blanks their environment: they are found by working folder.)
+    for pid in _processes_working_in(work):
+        os.kill(pid, signal.SIGKILL)
+
+
+def _processes_working_in(folder: Path) -> list[int]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and os.readlink(proc / "cwd").startswith(str(folder)):
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
 
 
 def test_convert_job(slurm, tmp_path):
