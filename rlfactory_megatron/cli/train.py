@@ -6,7 +6,6 @@ Under torchrun/srun/mpirun every process is one rank; started by hand it runs tp
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -18,10 +17,6 @@ def _train_rank(config_yaml: str, hf_dir: str, verbose: bool) -> dict:
 
     cfg = config_from_yaml(config_yaml)
     launch = detect_launch_env()
-    if os.environ.get("OMP_NUM_THREADS"):  # chosen (by the user or main()) before torch started its pool
-        import torch
-
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     rank = launch.rank
     log = Path(cfg.trainer.output_dir) / "logs" / f"rank{rank:05d}.log"
     try:
