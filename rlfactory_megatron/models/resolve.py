@@ -8,7 +8,8 @@ from pathlib import Path
 from rlfactory_megatron.models.tiny import make_tiny_hf_model
 
 TINY_SCHEME = "tiny://"
-TINY_VERSION = "v3"  # bump when the tiny model or tokenizer recipe changes
+TINY_VERSION = "v4"  # bump when the tiny model or tokenizer recipe changes
+TINY_VOCAB_SIZE = 768  # the tokenizer's merges run out below it on the built-in task's text
 
 
 def cache_root() -> Path:
@@ -28,15 +29,19 @@ def make_tiny_tokenizer(family: str, task: str = "calculator_arithmetic"):
     from rlfactory_megatron.trainer.tasks import TASKS, tokenizer_corpus
 
     if family == "llama":
-        options = dict(chat_template=LLAMA3_TEMPLATE, eos="<|eot_id|>", bos="<|begin_of_text|>", vocab_size=480)
+        options = dict(chat_template=LLAMA3_TEMPLATE, eos="<|eot_id|>", bos="<|begin_of_text|>")
     else:
-        options = dict(chat_template=QWEN_TEMPLATE, eos="<|im_end|>", vocab_size=480)
+        options = dict(chat_template=QWEN_TEMPLATE, eos="<|im_end|>")
+    # Merges cross words (numbers stay digit by digit): the template's scaffolding and the tool
+    # schema, the same in every prompt, become a few long tokens, so a prompt is ~60 tokens, not
+    # ~220, and the tiny model trains and generates ~3x faster on it.
+    options.update(vocab_size=TINY_VOCAB_SIZE, split_words=False, split_digits=True)
     corpus = tokenizer_corpus(task)
     draft = train_chat_tokenizer(corpus=corpus, **options)
     spec = TASKS.get(task)
     schemas = asyncio.run(ToolBox.build(parse_tool_specs([dict(tool) for tool in spec.tools]))).schemas()
     rendered = [draft.apply_chat_template(messages + turns, tools=schemas, tokenize=False)
-                for messages, turns in spec.conversations(20, seed=1)]
+                for messages, turns in spec.conversations(200, seed=1)]
     return train_chat_tokenizer(corpus=corpus + rendered, **options)
 
 
@@ -48,7 +53,7 @@ def resolve_model_path(path: str) -> Path:
         if not (target / "config.json").is_file():
             # Build beside, then rename: concurrent ranks never see a half-written model.
             staging = target.with_name(f".{family}.{os.getpid()}")
-            make_tiny_hf_model(family, staging)
+            make_tiny_hf_model(family, staging, vocab_size=TINY_VOCAB_SIZE)
             make_tiny_tokenizer(family).save_pretrained(staging)
             try:
                 staging.rename(target)

@@ -63,20 +63,22 @@ DEFAULT_CORPUS = [
 
 
 def train_chat_tokenizer(chat_template: str, eos: str, bos: str | None = None, corpus: list[str] = DEFAULT_CORPUS,
-                         vocab_size: int = 600, split_words: bool = True):
+                         vocab_size: int = 600, split_words: bool = True, split_digits: bool | None = None):
     """A byte-level BPE tokenizer trained on `corpus` (x20) with SPECIAL_TOKENS as added tokens.
 
-    With `split_words`, every digit is its own token, as in Qwen2/Qwen3's tokenizers: numbers are
-    then copied digit by digit, the same tokens in a prompt, a tool call and a tool response.
-    `split_words=False` lets merges cross spaces and punctuation, so a string repeated in the corpus
-    can become a single token (a scripted model then emits it in one step)."""
+    With `split_digits` (default: as `split_words`), every digit is its own token, as in
+    Qwen2/Qwen3's tokenizers: numbers are then copied digit by digit, the same tokens in a prompt,
+    a tool call and a tool response. `split_words=False` lets merges cross spaces and punctuation,
+    so text repeated in the corpus (a template's scaffolding, a tool schema) becomes a few long
+    tokens; with `split_digits` too, numbers still stay digit by digit."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    split_digits = split_words if split_digits is None else split_digits
     tok = Tokenizer(models.BPE())
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split_words)
     tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-                         if split_words else byte_level)
+                         if split_digits else byte_level)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()

@@ -35,8 +35,11 @@ CALCULATOR_SYSTEM = "Use the calculator tool, then answer with #### and the numb
 # Share of the demonstrations that call the calculator; the others answer straight away (right,
 # as someone who did the sum in their head would). A policy warm-started on them calls the tool
 # about this often and, being too small to do arithmetic itself, is mostly wrong when it does
-# not: what RL has to discover is that the tool call pays.
-CALCULATOR_TOOL_DEMO_SHARE = 0.5
+# not: what RL has to discover is that the tool call pays. Below one half, so that greedy
+# decoding answers straight away on every seed (held-out accuracy starts at ~0, not at a coin
+# flip of the warm-start's numerics), while sampling at temperature 0.7 still calls the tool in
+# about one sample in five: most groups of 8 hold a call to learn from.
+CALCULATOR_TOOL_DEMO_SHARE = 0.3
 
 
 def calculator_arithmetic(count: int, seed: int) -> list[PromptRecord]:

@@ -1,11 +1,12 @@
 """The embedded default (`rlf-train` with no arguments but an output folder) learns through RL.
 
-Its warm-start demonstrations call the calculator on only half the prompts and answer straight
-away on the others, so the warm-started policy starts unsure whether to use the tool and,
-too small to do arithmetic itself, is mostly wrong without it. GRPO has to discover that the
-tool call pays: held-out accuracy, the mean reward and the share of samples calling the tool
-all rise. The run is the real default (~5 minutes here), the margins are at most half of those
-measured, so that another machine's float rounding cannot flip the verdict.
+Its warm-start demonstrations call the calculator on 3 prompts in 10 and answer straight away on
+the others, so the warm-started policy calls the tool in about one sample in five and, too small
+to do arithmetic itself, is mostly wrong without it. GRPO has to discover that the tool call
+pays: held-out accuracy, the mean reward and the share of samples calling the tool all rise.
+The run is the real default (~3 minutes here); the margins are well below those measured over
+6 seeds and 3 thread settings (`rlf-bench learn`: held-out gains 0.60-0.82, reward gains 0.19-0.37),
+so that another machine's float rounding cannot flip the verdict.
 """
 import os
 import subprocess
@@ -35,7 +36,7 @@ def test_embedded_default_learns_to_use_the_tool(tmp_path):
     val = {r["step"]: r["val/score_mean"] for r in logged if "val/score_mean" in r}
     report = (f"val {val}; reward {_mean(first, 'reward/score/mean'):.3f} -> {_mean(last, 'reward/score/mean'):.3f}; "
               f"turns {_mean(first, 'rollout/turns_mean'):.3f} -> {_mean(last, 'rollout/turns_mean'):.3f}")
-    # measured: val 0.00 -> 0.69, reward 0.41 -> 0.69, turns 1.77 -> 1.97
+    # measured (seed 1234, threads unset = 1 here): val 0.09 -> 0.91, reward 0.60 -> 0.97, turns 1.66 -> 1.99
     assert val[30] >= val[0] + 0.3, report
     assert _mean(last, "reward/score/mean") >= _mean(first, "reward/score/mean") + 0.07, report
     assert _mean(last, "rollout/turns_mean") > _mean(first, "rollout/turns_mean") + 0.05, report  # more tool calls
