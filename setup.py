@@ -26,7 +26,7 @@ setup(
     package_dir={f"rlfactory_megatron.{s}": s for s in _SUBTREES},
     package_data={"rlfactory_megatron": ["config/*.yaml", "config/examples/*.yaml"]},
     include_package_data=True,
-    install_requires=["torch>=2.6", "megatron-core>=0.16", "omegaconf>=2.3", "safetensors", "transformers"],
+    install_requires=["torch>=2.6", "megatron-core>=0.16", "omegaconf>=2.3", "psutil", "safetensors", "transformers"],
     entry_points={
         "console_scripts": [
             "rlf-train=rlfactory_megatron.cli.train:main",

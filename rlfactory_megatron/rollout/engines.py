@@ -15,6 +15,7 @@ from typing import Callable, Protocol
 import torch
 
 from rlfactory_megatron.registry import Registry
+from rlfactory_megatron.runtime.reaper import Reaper, descendants, new_children
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,7 @@ class VLLMEngine:
         # prefilled whole there, so per-request seeds work.
         chunking = {} if not on_cpu else {"enable_chunked_prefill": False,
                                            "max_num_batched_tokens": max(8192, max_model_len)}
+        started_before = descendants()
         self.llm = LLM(model=self.hf_dir, skip_tokenizer_init=True, dtype=dtype,
                        tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
                        max_num_seqs=max_num_seqs, gpu_memory_utilization=memory_utilization, seed=seed,
@@ -114,6 +116,8 @@ class VLLMEngine:
                        # log-probs of the tempered (and top-k/top-p renormalized) distribution sampled
                        # from: what the trainer's log-probs at rollout.temperature are compared with
                        logprobs_mode="processed_logprobs", **chunking)
+        # The engine core's process (and its workers) end with this one, even when it is SIGKILLed.
+        self._reaper = Reaper(new_children(started_before))
         self._request_counter = 0
         self._updating = False  # between the first bucket of a weight update and its finish
         if in_process:
@@ -170,6 +174,7 @@ class VLLMEngine:
     def close(self) -> None:
         """Stop the engine core and release vLLM's process groups (before the trainer's are destroyed)."""
         self.llm.llm_engine.engine_core.shutdown()
+        self._reaper.close()
         if self.in_process:
             from vllm.distributed.parallel_state import destroy_model_parallel
 

@@ -40,9 +40,16 @@ def _first_slurm_host(env) -> str | None:
 
 
 def _slurm_tasks_here(env) -> str | None:
-    # SLURM_TASKS_PER_NODE is "2(x3),1": this node's count is the first one's where the layout is even
-    match = re.match(r"(\d+)", env.get("SLURM_TASKS_PER_NODE", ""))
-    return match.group(1) if match else None
+    """This node's task count from SLURM_TASKS_PER_NODE ("2(x3),1": 2 on nodes 0-2, 1 on node 3),
+    by SLURM_NODEID (the node's index in the step)."""
+    counts = []
+    for part in filter(None, env.get("SLURM_TASKS_PER_NODE", "").split(",")):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not match:
+            return None
+        counts += [match.group(1)] * int(match.group(2) or 1)
+    node = int(env.get("SLURM_NODEID", 0))
+    return counts[node] if node < len(counts) else None
 
 
 def detect_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:

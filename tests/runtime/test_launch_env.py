@@ -31,6 +31,11 @@ def test_detect_launch_env(env, expected):
     ({"PMI_RANK": "1", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}, 2),
     ({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, 4),
     ({"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_STEP_ID": "0", "SLURM_TASKS_PER_NODE": "8(x2)"}, 8),
+    # an uneven layout: 2 tasks on each of nodes 0-2, 1 on node 3; this node's count by SLURM_NODEID
+    ({"SLURM_PROCID": "6", "SLURM_NTASKS": "7", "SLURM_STEP_ID": "0", "SLURM_TASKS_PER_NODE": "2(x3),1",
+      "SLURM_NODEID": "3"}, 1),
+    ({"SLURM_PROCID": "2", "SLURM_NTASKS": "7", "SLURM_STEP_ID": "0", "SLURM_TASKS_PER_NODE": "2(x3),1",
+      "SLURM_NODEID": "1"}, 2),
     ({"PMI_RANK": "0", "PMI_SIZE": "2"}, 2),  # not said: every rank on this node
     ({}, 1),
 ])

@@ -91,12 +91,27 @@ def test_killed_rank_ends_the_job_non_zero(slurm, tmp_path):
     # which rank failed, and how: torchrun's report ("rank : 1 (local_rank: 0)", "exitcode : -9 ... (SIGKILL)")
     assert re.search(r"rank\s*:\s*1 \(local_rank", log) and "SIGKILL" in log, log[-3000:]
     assert slurm.squeue() == ""
-    # The killed rank's vLLM engine process (its child) outlives it: this test cluster tracks a
-    # job's processes by parentage (proctrack/linuxproc), which an orphan escapes; a cluster on
-    # proctrack/cgroup ends it with the job. Ended here, so that it holds no memory for later tests.
-    # (vLLM renames its processes, which blanks their environment: they are found by working folder.)
-    for pid in _processes_working_in(work):
-        os.kill(pid, signal.SIGKILL)
+    # The killed rank's vLLM engine core (its child) ends too: this test cluster tracks a job's
+    # processes by parentage (proctrack/linuxproc), which an orphan escapes, so it is the rank's
+    # reaper (runtime/reaper.py) that ends it. (vLLM renames its processes, which blanks their
+    # environment: they are found by working folder.)
+    deadline = time.monotonic() + 30
+    while _processes_working_in(work) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = {pid: _cmdline(pid) for pid in _processes_working_in(work)}
+    for pid in left:  # so that nothing holds memory for later tests, even when this fails
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not left, f"processes outlived the killed job: {left}"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_text().replace("\0", " ").strip()
+    except OSError:
+        return "?"
 
 
 def _processes_working_in(folder: Path) -> list[int]:
