@@ -330,17 +330,9 @@ class RolloutPlane:
                            max_model_len=cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens,
                            memory_utilization=cfg.rollout.gpu_memory_utilization, seed=cfg.trainer.seed)
         if self.disaggregated:
-            from rlfactory_megatron.rollout.ray_engine import RayVLLMEngine
-
             if not ray.is_initialized():
                 ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
-            # Devices of their own (Ray resources: rollout.tp GPUs, or one CPU, each), no sleep mode.
-            gpus = cfg.rollout.tp if torch.cuda.is_available() else 0
-            # Named rlf-engine-<i> (a replacement: rlf-engine-<i>-<n>; a killed actor's name may
-            # not be free yet), so that tools and operators can find them.
-            self._new_pool_engine = lambda index, n=0: RayVLLMEngine(
-                self.hf_dir, num_cpus=1, num_gpus=gpus, name=f"rlf-engine-{index}" + (f"-{n}" if n else ""),
-                **engine_args)
+            self._engine_args = engine_args
             self.pool = [self._new_pool_engine(index) for index in range(cfg.rollout.num_engines)]
             self.transport = self._pool_transport()
             engines = self.pool
@@ -570,6 +562,17 @@ class RolloutPlane:
             self.router.revive(index, AsyncBatchingEngine(self.pool[index]))
         if failed:  # the group of the sender and every engine, the new ones included
             self.transport = self._pool_transport()
+
+    def _new_pool_engine(self, index: int, replacement: int = 0):
+        """Pool engine `index` in a Ray actor of its own: devices of its own (Ray resources:
+        rollout.tp GPUs, or one CPU), no sleep mode. Named rlf-engine-<i> (a replacement:
+        rlf-engine-<i>-<n>; a killed actor's name may not be free yet), so that tools and
+        operators can find them."""
+        from rlfactory_megatron.rollout.ray_engine import RayVLLMEngine
+
+        gpus = self.cfg.rollout.tp if torch.cuda.is_available() else 0
+        name = f"rlf-engine-{index}" + (f"-{replacement}" if replacement else "")
+        return RayVLLMEngine(self.hf_dir, num_cpus=1, num_gpus=gpus, name=name, **self._engine_args)
 
     def _pool_transport(self):
         """The weight group of this rank and every pool engine, at an address engines on other

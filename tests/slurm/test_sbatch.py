@@ -31,7 +31,7 @@ def _job_id(stdout: str) -> str:
 
 def _ray_processes_of(port: int) -> list[str]:
     out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if "ray" in line and f":{port}" in line or f"--port={port}" in line]
+    return [line for line in out.splitlines() if "ray" in line and (f":{port}" in line or f"--port={port}" in line)]
 
 
 def test_two_node_training_job(slurm, tmp_path):
