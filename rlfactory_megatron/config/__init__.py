@@ -155,6 +155,15 @@ def _check_ranges(cfg) -> None:
             raise ConfigError(f"{section}.optim.min_lr={optim.min_lr} must not exceed {section}.optim.lr={optim.lr}")
     if not cfg.actor.clip_ratio_c > 1:
         raise ConfigError(f"actor.clip_ratio_c={cfg.actor.clip_ratio_c} must be > 1 (dual-clip's lower bound is -c * A)")
+    correction = cfg.actor.rollout_correction
+    if correction.tis_cap is not None and not correction.tis_cap > 0:
+        raise ConfigError(f"actor.rollout_correction.tis_cap={correction.tis_cap} must be > 0 (e.g. 2.0), or null for off")
+    if correction.mask_low is not None and not 0 < correction.mask_low <= 1:
+        raise ConfigError(f"actor.rollout_correction.mask_low={correction.mask_low} must be in (0, 1] (e.g. 0.5), "
+                          f"or null for no lower bound")
+    if correction.mask_high is not None and not correction.mask_high >= 1:
+        raise ConfigError(f"actor.rollout_correction.mask_high={correction.mask_high} must be >= 1 (e.g. 2.0), "
+                          f"or null for no upper bound")
     if cfg.trainer.val_every > 0 and cfg.trainer.val_prompts < 1:
         raise ConfigError(f"trainer.val_prompts=0 leaves nothing to validate on every trainer.val_every="
                           f"{cfg.trainer.val_every} steps; give trainer.val_prompts >= 1 or set trainer.val_every=0")

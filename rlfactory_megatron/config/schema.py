@@ -36,6 +36,15 @@ class OptimConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    # Off-policy correction from the engines' own log-probs (algorithms/rollout_correction.py);
+    # any key set turns it on (the trainer then computes its own old log-probs every step).
+    tis_cap: Optional[float] = None  # token-level truncated IS: weight min(pi_trainer / pi_engine, cap); null: off
+    mask_low: Optional[float] = None  # leave out a sample whose geometric-mean ratio is below this; null: no bound
+    mask_high: Optional[float] = None  # ... or above this; null: no bound
+
+
+@dataclass
 class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     ppo_epochs: int = 1  # passes over each step's trajectories
@@ -50,6 +59,7 @@ class ActorConfig:
     kl_loss_coef: float = 0.0  # KL-to-reference loss weight (> 0 builds the frozen reference model)
     kl_penalty: str = "low-var-kl"  # k1 | k2 | k3 | low-var-kl
     use_fused_logprob: bool = True  # log-probs/entropy from hidden states by the fused vocab-parallel kernel (no full logits)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from rlfactory_megatron.actor.actor import Actor, Critic, PolicyModel
 from rlfactory_megatron.actor.batch import RolloutBatch
 from rlfactory_megatron.algorithms import compute_advantages
+from rlfactory_megatron.algorithms.rollout_correction import rollout_correction
 from rlfactory_megatron.models.builder import BuildOptions
 from rlfactory_megatron.models.hf_arch import load_arch
 from rlfactory_megatron.trainer.data import PromptRecord, PromptSampler, load_prompts
@@ -106,7 +107,9 @@ class Trainer:
 
         clock = time.perf_counter()
         old = None
-        if not self.actor.updates_on_policy(batch.total_rows):  # on-policy: the update's own forward gives them
+        correction = {k: v for k, v in dict(self.cfg.actor.rollout_correction).items() if v is not None}
+        # On-policy, the update's own forward gives them; a correction needs them before the update.
+        if correction or not self.actor.updates_on_policy(batch.total_rows):
             old = self.actor.compute_log_probs(batch, with_entropy=True)
             batch = batch.with_fields(old_log_probs=old["log_probs"])
         if self.reference is not None:
@@ -124,6 +127,13 @@ class Trainer:
         batch = batch.with_fields(token_rewards=token_rewards, advantages=advantages.advantages,
                                   returns=advantages.returns)
         self.plane.record(rollouts, batch, self.step_index + 1)
+        trained_mask = batch.loss_mask > 0  # the rows' own, for the metrics below
+        correction_metrics = {}
+        if correction:
+            corrected = rollout_correction(old["log_probs"], rows.engine_log_probs, batch.loss_mask, **correction)
+            advantages_used, loss_mask = corrected.apply(batch.advantages, batch.loss_mask)
+            batch = batch.with_fields(advantages=advantages_used, loss_mask=loss_mask)
+            correction_metrics = _rollout_correction_metrics(corrected, trained_mask)
 
         clock = time.perf_counter()
         metrics = self.actor.update(batch)
@@ -142,7 +152,8 @@ class Trainer:
         metrics.update(timings)
         metrics.update(reward.metrics())
         metrics.update(rollouts.stats())
-        mask = batch.loss_mask > 0
+        metrics.update(correction_metrics)
+        mask = trained_mask
         if old is not None:
             metrics["actor/entropy_old"] = _over_dp(old["entropy"], mask)[0]
             metrics.update(_rollout_logprob_gap(rows.engine_log_probs, old["log_probs"], mask))
@@ -287,6 +298,23 @@ def _rollout_logprob_gap(rollout: torch.Tensor, trainer_log_probs: torch.Tensor,
     means the engine samples from another policy than the one trained (off-policy drift)."""
     mean, highest = _over_dp((trainer_log_probs - rollout).abs(), mask)
     return {"rollout/logprob_gap_mean": mean, "rollout/logprob_gap_max": highest}
+
+
+def _rollout_correction_metrics(corrected, mask: torch.Tensor) -> dict[str, float]:
+    """The engine-vs-trainer mismatch and what the correction did to it, over every DP rank:
+    KL(engine || trainer) by the k3 estimator on the engine's samples, the IS weights' mean and
+    max, and the share of samples left out."""
+    ratio = corrected.log_ratio
+    kl, _ = _over_dp(ratio.exp() - 1 - ratio, mask)
+    weight_mean, weight_max = _over_dp(corrected.token_weights, mask)
+    rows = mask.any(-1)
+    counts = torch.tensor([float((~corrected.keep & rows).sum()), float(rows.sum())], dtype=torch.float64)
+    group = _dp_group()
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(counts, group=group)
+    return {"rollout_correction/mismatch_kl": kl, "rollout_correction/is_weight_mean": weight_mean,
+            "rollout_correction/is_weight_max": weight_max,
+            "rollout_correction/masked_frac": float(counts[0] / counts[1].clamp(min=1))}
 
 
 def _place_on_last_token(scores: list[float], batch: RolloutBatch) -> torch.Tensor:

@@ -43,6 +43,8 @@ def files(root: Path) -> dict[str, str]:
 # (arguments, what the last line must contain)
 CASES = [
     (["trainer.algorithm=ppo3"], "trainer.algorithm='ppo3' is not allowed"),
+    (["actor.rollout_correction.tis_cap=0"], "actor.rollout_correction.tis_cap=0.0 must be > 0"),
+    (["actor.rollout_correction.mask_high=0.5"], "actor.rollout_correction.mask_high=0.5 must be >= 1"),
     (["actor.policy_loss=clipp"], "actor.policy_loss='clipp' is not allowed"),
     (["actor.kl_penalty=k9"], "actor.kl_penalty='k9' is not allowed"),
     (["actor.loss_agg_mode=sum"], "actor.loss_agg_mode='sum' is not allowed"),

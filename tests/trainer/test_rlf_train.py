@@ -94,6 +94,21 @@ def test_dapo_drops_uniform_groups_and_applies_its_settings(tmp_path):
     assert "vllm" in log.lower() and "Apex" in log
 
 
+def test_rollout_correction_runs_on_the_trainers_own_old_log_probs(tmp_path):
+    # One epoch of one mini-batch would skip the separate old-log-prob pass; the correction
+    # needs it. Engine and trainer compute the same fp32 policy here: weights 1, nothing masked.
+    out = rlf_train(tmp_path, "corrected", "trainer.total_steps=2", "trainer.val_every=0", "trainer.save_every=0",
+                    "actor.mini_batch_size=64", "actor.rollout_correction.tis_cap=2.0",
+                    "actor.rollout_correction.mask_low=0.5", "actor.rollout_correction.mask_high=2.0")
+    assert out.returncode == 0, out.stderr[-3000:]
+    for record in records(tmp_path / "corrected"):
+        assert record["rollout_correction/mismatch_kl"] < 1e-6, record
+        assert abs(record["rollout_correction/is_weight_mean"] - 1) < 1e-3
+        assert 0.99 < record["rollout_correction/is_weight_max"] < 1.01
+        assert record["rollout_correction/masked_frac"] == 0
+        assert record["rollout/logprob_gap_max"] <= 1e-3  # the old log-probs were computed, not skipped
+
+
 def test_bad_config_fails_before_any_work(tmp_path):
     out = rlf_train(tmp_path, "bad", "trainer.algorithm=ppo3")
     assert out.returncode == 2 and "trainer.algorithm='ppo3' is not allowed" in out.stderr

@@ -1,0 +1,59 @@
+"""Off-policy correction for the gap between the policy the engine sampled from and the trainer's.
+
+The engines' log-probs of the tokens they sampled (`rollout/logprob_gap_*` measures them
+against the trainer's) differ from the trainer's whenever the two do not compute the same
+policy: bf16 kernels on GPU, a sync that lagged, an engine at another temperature, or (with
+asynchronous rollout) weights some updates old. Two corrections, each off unless configured
+(`actor.rollout_correction`):
+- token-level truncated importance sampling: token t's policy-gradient term is weighted by
+  min(pi_trainer(t) / pi_engine(t), tis_cap), detached (the ratio the samples' own
+  distribution calls for, capped so that one token cannot dominate a step);
+- sequence-level masking: a sample whose geometric-mean ratio exp(mean_t log(pi_trainer /
+  pi_engine)) leaves [mask_low, mask_high] is left out of the loss altogether: it was sampled
+  from a policy too far from the one being trained for any weight to repair it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# exp() of a larger log-ratio overflows fp32 long before it could be a sensible weight.
+MAX_LOG_RATIO = 20.0
+
+
+@dataclass
+class RolloutCorrection:
+    token_weights: torch.Tensor  # [B, T], detached; 0 off the mask
+    keep: torch.Tensor  # [B] bool: the rows left in the loss
+    log_ratio: torch.Tensor  # [B, T] log(pi_trainer / pi_engine) on the mask, 0 elsewhere
+
+    def apply(self, advantages: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(advantages x token weights, loss mask without the masked rows). For PPO's clipped
+        surrogate, scaling A_t by w_t >= 0 scales the token's loss by w_t exactly:
+        max(-wA r, -wA clip(r)) = w max(-A r, -A clip(r))."""
+        mask = loss_mask * self.keep[:, None].to(loss_mask.dtype)
+        return advantages * self.token_weights, mask
+
+
+def rollout_correction(trainer_log_probs: torch.Tensor, engine_log_probs: torch.Tensor, mask: torch.Tensor, *,
+                       tis_cap: float | None = None, mask_low: float | None = None,
+                       mask_high: float | None = None) -> RolloutCorrection:
+    """The weights and the row mask for one batch ([B, T] log-probs of the sampled tokens, `mask`
+    1 on trained tokens). With every option None: weights 1 on the mask, every row kept."""
+    on = mask.bool()
+    zero = torch.zeros((), dtype=trainer_log_probs.dtype, device=trainer_log_probs.device)
+    log_ratio = torch.where(on, trainer_log_probs.detach() - engine_log_probs, zero).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    weights = log_ratio.exp() if tis_cap is not None else torch.ones_like(log_ratio)
+    if tis_cap is not None:
+        weights = weights.clamp(max=tis_cap)
+    weights = torch.where(on, weights, zero)
+    tokens = on.sum(-1)
+    seq_ratio = (log_ratio.sum(-1) / tokens.clamp(min=1)).exp()
+    keep = torch.ones(len(mask), dtype=torch.bool, device=mask.device)
+    if mask_low is not None:
+        keep &= seq_ratio >= mask_low
+    if mask_high is not None:
+        keep &= seq_ratio <= mask_high
+    keep |= tokens == 0  # nothing of it is trained either way
+    return RolloutCorrection(weights, keep, log_ratio)
