@@ -58,7 +58,9 @@ def _plan(batch: RolloutBatch, max_tokens: int) -> MicroBatchPlan:
 
 def _agg_options(plan: MicroBatchPlan, mode: str, norm_length: int | None) -> dict[str, Any]:
     """Global normalizers: a micro-batch's aggregate is its share of the mini-batch's aggregate."""
-    options: dict[str, Any] = {"num_units": plan.num_sequences if mode in SEQ_MODES else plan.num_tokens}
+    # At least 1: a mini-batch with nothing to train (every sample masked by the rollout
+    # correction) contributes a zero loss, not 0 / 0.
+    options: dict[str, Any] = {"num_units": max(1, plan.num_sequences if mode in SEQ_MODES else plan.num_tokens)}
     if mode == "seq-mean-token-sum-norm":
         options["norm_length"] = norm_length
     return options
