@@ -27,7 +27,7 @@ PolicyLossFn = Callable[..., PolicyLoss]
 POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
 
 
-def _masked_log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def masked_log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     # where() before exp(): a masked token's ratio is exactly 1 and its gradient exactly 0, whatever its inputs.
     diff = torch.where(mask.bool(), log_prob - old_log_prob, torch.zeros((), dtype=log_prob.dtype, device=log_prob.device))
     return diff.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
@@ -75,7 +75,7 @@ def ppo_clip_loss(
     `clip_high` > `clip_low` is DAPO's clip-higher (default: symmetric); `clip_ratio_c`
     turns on dual-clip, bounding the loss of negative-advantage tokens at -c * A.
     """
-    log_ratio = _masked_log_ratio(log_prob, old_log_prob, mask)
+    log_ratio = masked_log_ratio(log_prob, old_log_prob, mask)
     ratio = log_ratio.exp()
     high = clip_low if clip_high is None else clip_high
     loss, metrics = _clipped_surrogate(ratio, advantages, mask, clip_low, high, clip_ratio_c)
@@ -105,7 +105,7 @@ def gspo_loss(
     Token t carries ratio sg(s_i) * exp(logp_t - sg(logp_t)): its value is the sequence
     ratio s_i and its gradient s_i * grad logp_t, which averages to GSPO's sequence gradient.
     """
-    log_ratio = _masked_log_ratio(log_prob, old_log_prob, mask)
+    log_ratio = masked_log_ratio(log_prob, old_log_prob, mask)
     seq_log_ratio = log_ratio.sum(-1) / mask.bool().sum(-1).clamp(min=1)
     token_log_prob = torch.where(mask.bool(), log_prob, torch.zeros((), dtype=log_prob.dtype, device=log_prob.device))
     ratio = (seq_log_ratio.detach()[:, None] + token_log_prob - token_log_prob.detach()).exp()

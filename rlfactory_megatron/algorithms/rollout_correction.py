@@ -18,8 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-# exp() of a larger log-ratio overflows fp32 long before it could be a sensible weight.
-MAX_LOG_RATIO = 20.0
+from rlfactory_megatron.algorithms.policy_losses import masked_log_ratio
 
 
 @dataclass
@@ -42,12 +41,9 @@ def rollout_correction(trainer_log_probs: torch.Tensor, engine_log_probs: torch.
     """The weights and the row mask for one batch ([B, T] log-probs of the sampled tokens, `mask`
     1 on trained tokens). With every option None: weights 1 on the mask, every row kept."""
     on = mask.bool()
-    zero = torch.zeros((), dtype=trainer_log_probs.dtype, device=trainer_log_probs.device)
-    log_ratio = torch.where(on, trainer_log_probs.detach() - engine_log_probs, zero).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    weights = log_ratio.exp() if tis_cap is not None else torch.ones_like(log_ratio)
-    if tis_cap is not None:
-        weights = weights.clamp(max=tis_cap)
-    weights = torch.where(on, weights, zero)
+    log_ratio = masked_log_ratio(trainer_log_probs.detach(), engine_log_probs, mask)
+    weights = log_ratio.exp().clamp(max=tis_cap) if tis_cap is not None else torch.ones_like(log_ratio)
+    weights = torch.where(on, weights, torch.zeros_like(weights))
     tokens = on.sum(-1)
     seq_ratio = (log_ratio.sum(-1) / tokens.clamp(min=1)).exp()
     keep = torch.ones(len(mask), dtype=torch.bool, device=mask.device)

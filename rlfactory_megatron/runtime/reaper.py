@@ -21,17 +21,16 @@ POLL_S = 0.5  # how often the watcher looks at its parent
 TERM_GRACE_S = 5.0  # between SIGTERM and SIGKILL
 
 
-def new_children(before: set[int]) -> list[int]:
-    """This process's descendants that were not in `before` (pids)."""
-    import psutil
-
-    return [p.pid for p in psutil.Process().children(recursive=True) if p.pid not in before]
-
-
 def descendants() -> set[int]:
+    """The pids of this process's children, theirs, and so on."""
     import psutil
 
     return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def new_children(before: set[int]) -> list[int]:
+    """This process's descendants that were not in `before`."""
+    return sorted(descendants() - before)
 
 
 class Reaper:
