@@ -52,6 +52,8 @@ def render(record: RolloutRecord, tokenizer, prompt_chars: int | None = 2000) ->
             f"stop {meta.get('stop_reason', '?')} | turns {meta.get('turns', '?')} | "
             f"{meta.get('data_source', '?')} | ground truth {meta.get('ground_truth', '?')!s:.80}")
     lines = [head]
+    if len(meta.get("weight_versions", [])) > 1:  # a weight update landed mid-trajectory (asynchronous RL)
+        lines.append("weight versions: " + ", ".join(f"v{v} x {n} tokens" for v, n in meta["weight_versions"]))
     if meta.get("reward_error"):
         lines.append(f"reward error: {meta['reward_error']}")
     prompt = _decode(tokenizer, record.prompt_ids)

@@ -19,6 +19,7 @@ from rlfactory_megatron.actor.batch import (MicroBatchPlan, PackedMicroBatch, Ro
 from rlfactory_megatron.actor.engine import MegatronEngine
 from rlfactory_megatron.algorithms import clipped_value_loss, compute_policy_loss, kl_penalty
 from rlfactory_megatron.algorithms.aggregation import aggregate_loss
+from rlfactory_megatron.algorithms.rollout_correction import rollout_correction
 from rlfactory_megatron.kernels.logprob import fused_logprob_entropy
 from rlfactory_megatron.models.builder import BuildOptions, lm_output_weight
 from rlfactory_megatron.models.hf_arch import ModelArch
@@ -191,7 +192,7 @@ class Actor(PolicyModel):
         self.cfg = actor_cfg
         self.norm_length = norm_length
 
-    def _loss_fn(self, mini: RolloutBatch, plan: MicroBatchPlan):
+    def _loss_fn(self, mini: RolloutBatch, plan: MicroBatchPlan, tis_cap: float | None = None):
         cfg = self.cfg
         agg = _agg_options(plan, cfg.loss_agg_mode, self.norm_length)
         on_policy = mini.old_log_probs is None  # see updates_on_policy
@@ -207,10 +208,16 @@ class Actor(PolicyModel):
             mask = take(mini.loss_mask)
             out = self._token_outputs(mb, output, need_entropy)
             old_log_probs = out["log_probs"].detach() if on_policy else take(mini.old_log_probs)
-            policy = compute_policy_loss(cfg.policy_loss, out["log_probs"], old_log_probs, take(mini.advantages),
+            advantages = take(mini.advantages)
+            if tis_cap is not None:  # on-policy: the weights from this very forward (= a separate pass's)
+                advantages = advantages * rollout_correction(old_log_probs, take(mini.engine_log_probs), mask,
+                                                             tis_cap=tis_cap).token_weights
+            policy = compute_policy_loss(cfg.policy_loss, out["log_probs"], old_log_probs, advantages,
                                          mask, agg_mode=cfg.loss_agg_mode, **clip, **agg)
             loss = policy.loss
             metrics = {f"actor/{k}": v for k, v in policy.metrics.items()}
+            if on_policy:
+                metrics["log_probs"] = old_log_probs  # per token: the policy the batch is trained from
             metrics["actor/pg_loss"] = policy.loss.detach()
             if cfg.kl_loss_coef > 0:
                 kl = kl_penalty(cfg.kl_penalty, out["log_probs"], take(mini.ref_log_probs), mask)
@@ -233,18 +240,30 @@ class Actor(PolicyModel):
         log-prob pass can be skipped (update() accepts old_log_probs=None)."""
         return self.cfg.ppo_epochs == 1 and self.cfg.mini_batch_size >= rows
 
-    def update(self, batch: RolloutBatch) -> dict[str, float]:
-        """One PPO update; returns averaged metrics (same on every rank)."""
+    def update(self, batch: RolloutBatch, tis_cap: float | None = None) -> dict[str, float]:
+        """One PPO update; returns averaged metrics (same on every rank). On-policy (no
+        old_log_probs, see updates_on_policy) the log-probs its forward pass took are kept in
+        `self.update_log_probs` ([B, T]). `tis_cap`: an on-policy update weights each token's
+        advantage by the truncated IS ratio of those log-probs to batch.engine_log_probs, the
+        correction a separate log-prob pass would give, without the pass."""
         if batch.advantages is None:
             raise ValueError("actor update needs advantages on the batch")
+        if tis_cap is not None and (batch.old_log_probs is not None or batch.engine_log_probs is None):
+            raise ValueError("a correction inside the update (tis_cap) is for on-policy updates with engine_log_probs "
+                             "on the batch; otherwise weight the advantages beforehand (rollout_correction)")
         if batch.old_log_probs is None and not self.updates_on_policy(batch.total_rows):
             raise ValueError(f"actor update needs old_log_probs on the batch: {batch.total_rows} rows take more than "
                              f"one optimizer step (actor.ppo_epochs={self.cfg.ppo_epochs}, "
                              f"actor.mini_batch_size={self.cfg.mini_batch_size})")
         if self.cfg.kl_loss_coef > 0 and batch.ref_log_probs is None:
             raise ValueError("actor.kl_loss_coef > 0 needs ref_log_probs on the batch")
-        return _run_updates(self.engine, batch, self.cfg.ppo_epochs, self.cfg.mini_batch_size,
-                            self.max_tokens, self._loss_fn, prefix="actor")
+        token_outputs: list[dict[str, Any]] = []
+        metrics = _run_updates(self.engine, batch, self.cfg.ppo_epochs, self.cfg.mini_batch_size, self.max_tokens,
+                               partial(self._loss_fn, tis_cap=tis_cap), prefix="actor", token_outputs=token_outputs)
+        # One mini-batch of every row, in the batch's order (on-policy): its row indices are the batch's.
+        self.update_log_probs = (gather_token_values(batch, token_outputs, "log_probs")
+                                 if batch.old_log_probs is None else None)
+        return metrics
 
     def _sft_loss_fn(self, mini: RolloutBatch, plan: MicroBatchPlan):
         agg = _agg_options(plan, "token-mean", None)
@@ -324,7 +343,10 @@ _SHARE_METRICS = ("pg_loss", "kl_loss", "entropy", "vf_loss", "sft/loss")
 
 
 def _run_updates(engine: MegatronEngine, batch: RolloutBatch, epochs: int, mini_size: int, max_tokens: int,
-                 make_loss_fn, prefix: str) -> dict[str, float]:
+                 make_loss_fn, prefix: str, token_outputs: list | None = None) -> dict[str, float]:
+    """Optimizer steps over `epochs` x mini-batches; returns the metrics averaged over tokens
+    (loss-like ones over steps). Per-token outputs of the loss (tensors [rows, T]) go to
+    `token_outputs`, one {"rows", name: values} per micro-batch."""
     sums: dict[str, float] = {}
     grad_norms = []
     tokens = 0.0
@@ -345,7 +367,10 @@ def _run_updates(engine: MegatronEngine, batch: RolloutBatch, epochs: int, mini_
                 weight = float(out["tokens"])
                 tokens += weight
                 for key, value in out.items():
-                    if key not in ("rows", "tokens"):
+                    if isinstance(value, torch.Tensor) and value.dim() == 2:
+                        if token_outputs is not None:
+                            token_outputs.append({"rows": out["rows"], key: value})
+                    elif key not in ("rows", "tokens"):
                         shared = key.endswith(_SHARE_METRICS)
                         sums[key] = sums.get(key, 0.0) + float(value) * (1.0 if shared else weight)
     ps = _parallel()

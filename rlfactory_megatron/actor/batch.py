@@ -14,7 +14,8 @@ from typing import Any, Optional
 import torch
 
 # Per-token float arrays a batch may carry, all [B, T] and aligned to token t.
-TOKEN_FIELDS = ("loss_mask", "old_log_probs", "ref_log_probs", "values", "token_rewards", "advantages", "returns")
+TOKEN_FIELDS = ("loss_mask", "old_log_probs", "ref_log_probs", "values", "token_rewards", "advantages", "returns",
+                "engine_log_probs")
 
 
 @dataclass
@@ -31,6 +32,7 @@ class RolloutBatch:
     token_rewards: Optional[torch.Tensor] = None
     advantages: Optional[torch.Tensor] = None
     returns: Optional[torch.Tensor] = None
+    engine_log_probs: Optional[torch.Tensor] = None  # the rollout engines' (for a correction inside the update)
     # A DP-local batch holds only the rows one DP rank trains on: `step_rows` [B] is each row's
     # index in the step's whole batch of `step_size` rows (it may hold none of them).
     step_rows: Optional[torch.Tensor] = None

@@ -21,6 +21,20 @@ import torch
 from rlfactory_megatron.algorithms.policy_losses import masked_log_ratio
 
 
+# The token IS cap when the correction is on without one (asynchronous RL's default; verl's too).
+DEFAULT_TIS_CAP = 2.0
+
+
+def correction_settings(correction, asynchronous: bool) -> dict[str, float]:
+    """`rollout_correction`'s keyword arguments from `actor.rollout_correction` ({} when off):
+    on by default in asynchronous RL, where the engines sample from weights some updates old."""
+    settings = {k: correction[k] for k in ("tis_cap", "mask_low", "mask_high") if correction[k] is not None}
+    enabled = correction["enable"]
+    if enabled is False or (enabled is None and not settings and not asynchronous):
+        return {}
+    return settings or {"tis_cap": DEFAULT_TIS_CAP}
+
+
 @dataclass
 class RolloutCorrection:
     token_weights: torch.Tensor  # [B, T], detached; 0 off the mask

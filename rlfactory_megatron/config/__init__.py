@@ -27,6 +27,7 @@ POSITIVE_INTS = ("parallel.tp", "parallel.pp", "rollout.n", "rollout.tp", "actor
                  "tools.tool_response_max_tokens", "tools.num_workers", "tools.max_concurrency", "reward.num_workers",
                  "critic.ppo_epochs", "trainer.keep_last", "cache.tool_cache_max_mb", "logging.log_every")
 NON_NEGATIVE = ("trainer.save_every", "trainer.val_every", "trainer.val_prompts", "trainer.sft_steps", "trainer.max_refill_rounds",
+                "trainer.max_staleness",
                 "actor.optim.warmup_steps", "critic.optim.warmup_steps", "actor.optim.min_lr", "critic.optim.min_lr",
                 "actor.optim.weight_decay", "critic.optim.weight_decay", "actor.optim.clip_grad",
                 "critic.optim.clip_grad", "actor.kl_loss_coef", "actor.clip_ratio_low", "actor.clip_ratio_high")
@@ -164,6 +165,10 @@ def _check_ranges(cfg) -> None:
     if correction.mask_high is not None and not correction.mask_high >= 1:
         raise ConfigError(f"actor.rollout_correction.mask_high={correction.mask_high} must be >= 1 (e.g. 2.0), "
                           f"or null for no upper bound")
+    if correction.enable is False and any(correction[k] is not None for k in ("tis_cap", "mask_low", "mask_high")):
+        raise ConfigError("actor.rollout_correction.enable=false turns the correction off, but "
+                          f"{', '.join(f'{k}={correction[k]}' for k in ('tis_cap', 'mask_low', 'mask_high') if correction[k] is not None)}"
+                          " is set; drop it or set enable=null")
     if cfg.trainer.val_every > 0 and cfg.trainer.val_prompts < 1:
         raise ConfigError(f"trainer.val_prompts=0 leaves nothing to validate on every trainer.val_every="
                           f"{cfg.trainer.val_every} steps; give trainer.val_prompts >= 1 or set trainer.val_every=0")
@@ -228,6 +233,26 @@ def _validate_rollout(cfg) -> None:
                           "their own; set rollout.num_engines >= 1")
     if cfg.rollout.mode == "colocated" and engines < 0:
         raise ConfigError(f"rollout.num_engines={engines}: must be >= 0 (colocated: 0, or world / rollout.tp)")
+    _check_asynchronous(cfg)
+
+
+def _check_asynchronous(cfg) -> None:
+    """What asynchronous RL (trainer.max_staleness > 0) can run with."""
+    staleness = cfg.trainer.max_staleness
+    if cfg.trainer.partial_rollout and staleness == 0:
+        raise ConfigError("trainer.partial_rollout=true lands weight updates in batches still generating, which "
+                          "needs trainer.max_staleness >= 1 (with 0 no batch generates during an update)")
+    if staleness == 0:
+        return
+    if cfg.rollout.mode != "disaggregated":
+        raise ConfigError(f"trainer.max_staleness={staleness} needs rollout.mode=disaggregated (engines on devices of "
+                          "their own): colocated engines share the training ranks' devices and take turns with "
+                          "training; set rollout.mode=disaggregated rollout.num_engines=N, or trainer.max_staleness=0")
+    from rlfactory_megatron.trainer.presets import ALGORITHM_PRESETS
+
+    if cfg.trainer.algorithm in ALGORITHM_PRESETS and ALGORITHM_PRESETS.get(cfg.trainer.algorithm).drop_uniform_groups:
+        raise ConfigError(f"trainer.algorithm={cfg.trainer.algorithm} (dynamic sampling refills a step's groups from "
+                          f"its rewards) is synchronous only; set trainer.max_staleness=0 or another algorithm")
 
 
 def validate_against_model(cfg, arch, world_size: int) -> None:

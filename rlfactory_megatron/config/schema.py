@@ -38,7 +38,10 @@ class OptimConfig:
 @dataclass
 class RolloutCorrectionConfig:
     # Off-policy correction from the engines' own log-probs (algorithms/rollout_correction.py);
-    # any key set turns it on (the trainer then computes its own old log-probs every step).
+    # on, the trainer computes its own old log-probs every step.
+    # null: on when trainer.max_staleness > 0 (tis_cap 2.0 unless set) or when a key below is set;
+    # true: on (tis_cap 2.0 unless a key below is set); false: off (then no key below may be set).
+    enable: Optional[bool] = None
     tis_cap: Optional[float] = None  # token-level truncated IS: weight min(pi_trainer / pi_engine, cap); null: off
     mask_low: Optional[float] = None  # leave out a sample whose geometric-mean ratio is below this; null: no bound
     mask_high: Optional[float] = None  # ... or above this; null: no bound
@@ -159,6 +162,16 @@ class TrainerConfig:
     # Optimizer steps (actor or critic) skipped in a row for a non-finite loss or gradient before
     # the run stops with an error; a skipped step applies nothing (counted in actor/skipped_steps).
     max_skipped_updates: int = 8
+    # Asynchronous RL (rollout.mode=disaggregated): step i trains batch i, and batch j starts
+    # generating once the engines serve weight version j - max_staleness, so the engines generate
+    # the next batches while the actor trains and no trained token is more than max_staleness
+    # updates old. 0: synchronous steps (generate, then train).
+    max_staleness: int = 0
+    # With max_staleness > 0: weight updates land while batches generate (engine calls pause
+    # for the sync, later tokens come from the new weights and carry its version). false: a sync
+    # first waits for the batches in flight, so each batch is one version's and a run (and its
+    # resume) is reproducible.
+    partial_rollout: bool = False
 
 
 @dataclass

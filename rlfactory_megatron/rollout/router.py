@@ -6,9 +6,15 @@ prefix cache holds the conversation. Where a request runs never changes what it 
 a seeded sample depends on its prompt, weights and seed only. So when an engine fails (its
 process died), its requests run again on the engines that remain and the step's trajectories
 are the ones it would have had; the owner replaces the engine (`revive`) between steps.
+
+Weight updates while trajectories are in flight (asynchronous RL) go through `pause()`: new
+engine calls wait, the ones running finish, the owner syncs the weights and `resume(version)`s.
+Every call therefore runs on one weight version, which the trajectory's session records for the
+tokens it generated.
 """
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Callable, Protocol
 
 
@@ -35,6 +41,11 @@ class EngineRouter:
         self.outstanding = [0] * len(engines)  # requests in flight per engine
         self.generated = [0] * len(engines)  # tokens generated per engine (the tie-break)
         self.failed: dict[int, str] = {}  # engine -> why, until revived
+        self.version = 0  # the weight version every engine serves (set by the owner after a sync)
+        self._running = 0  # engine calls under way (not those waiting for a resume)
+        self._open: asyncio.Event | None = None  # set: calls may start; created in the serving loop
+        self._idle: asyncio.Event | None = None  # set: no call is under way
+        self._events_loop = None
 
     def session(self) -> "Session":
         """What one trajectory generates through: sticks to the engine of its first turn."""
@@ -56,15 +67,47 @@ class EngineRouter:
         self.failed.pop(index, None)
         self.outstanding[index] = 0
 
+    def _events(self) -> tuple[asyncio.Event, asyncio.Event]:
+        """The pause's events, made in the loop that serves (again if an earlier loop is gone)."""
+        loop = asyncio.get_running_loop()
+        if self._open is None or self._events_loop is not loop:
+            self._open, self._idle, self._events_loop = asyncio.Event(), asyncio.Event(), loop
+            self._open.set()
+            self._idle.set()
+        return self._open, self._idle
+
+    async def pause(self) -> None:
+        """Returns once no engine call is under way; calls made meanwhile wait for `resume`."""
+        opened, idle = self._events()
+        opened.clear()
+        await idle.wait()
+
+    async def resume(self, version: int) -> None:
+        """Calls go on, on weights of `version`."""
+        self.version = version
+        self._events()[0].set()
+
     async def generate_on(self, index: int, prompt_token_ids: list[int],
-                          sampling: dict[str, Any]) -> tuple[list[int], list[float]]:
+                          sampling: dict[str, Any]) -> tuple[list[int], list[float], int]:
+        """(token ids, log-probs, the weight version that generated them)."""
+        opened, idle = self._events()
         self.outstanding[index] += 1
         try:
-            ids, log_probs = await self.engines[index].generate(prompt_token_ids, sampling)
+            while not opened.is_set():  # a weight update is under way
+                await opened.wait()
+            version = self.version
+            self._running += 1
+            idle.clear()
+            try:
+                ids, log_probs = await self.engines[index].generate(prompt_token_ids, sampling)
+            finally:
+                self._running -= 1
+                if self._running == 0:
+                    idle.set()
         finally:
             self.outstanding[index] -= 1
         self.generated[index] += len(ids)
-        return ids, log_probs
+        return ids, log_probs, version
 
 
 class Session:
@@ -73,6 +116,7 @@ class Session:
     def __init__(self, router: EngineRouter) -> None:
         self.router = router
         self.engine: int | None = None
+        self.calls: list[tuple[int, int, int]] = []  # (engine, weight version, tokens) per call, in order
 
     async def generate(self, prompt_token_ids: list[int], sampling: dict[str, Any]) -> tuple[list[int], list[float]]:
         while True:
@@ -80,8 +124,16 @@ class Session:
                 # Chosen and counted before the first await: concurrent first turns spread out.
                 self.engine = self.router.least_loaded()
             try:
-                return await self.router.generate_on(self.engine, prompt_token_ids, sampling)
+                ids, log_probs, version = await self.router.generate_on(self.engine, prompt_token_ids, sampling)
             except Exception as exc:
                 if not self.router.is_failure(exc):
                     raise
                 self.router.fail(self.engine, exc)  # and the request runs again on another engine
+                continue
+            self.calls.append((self.engine, version, len(ids)))
+            return ids, log_probs
+
+    def token_versions(self, generated: int) -> list[int]:
+        """The weight version of each of the first `generated` tokens this session generated."""
+        versions = [version for _, version, tokens in self.calls for _ in range(tokens)]
+        return versions[:generated]

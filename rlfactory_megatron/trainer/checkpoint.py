@@ -11,15 +11,18 @@ import torch.distributed as dist
 STATE_FILE = "trainer_state.json"
 
 
-def save_checkpoint(output: Path, step: int, actor, critic, sampler, keep_last: int) -> Path:
-    """Collective: every rank saves its shards; rank 0 writes the state last (its presence marks
-    the checkpoint complete) and drops the oldest checkpoints."""
+def save_checkpoint(output: Path, step: int, actor, critic, sampler, keep_last: int,
+                    files: dict[str, bytes] | None = None) -> Path:
+    """Collective: every rank saves its shards; rank 0 writes `files` (name -> bytes), then the
+    state last (its presence marks the checkpoint complete) and drops the oldest checkpoints."""
     directory = output / "checkpoints" / f"step_{step:06d}"
     actor.engine.check_finite("the checkpoint")
     actor.engine.save(directory / "actor")
     if critic is not None:
         critic.engine.save(directory / "critic")
     if dist.get_rank() == 0:
+        for name, data in (files or {}).items():
+            (directory / name).write_bytes(data)
         (directory / STATE_FILE).write_text(json.dumps({"step": step, "sampler": sampler.state_dict()}))
         kept = sorted((output / "checkpoints").glob("step_*"))
         for old in kept[:-keep_last]:

@@ -10,10 +10,12 @@ generate them.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import os
 import pickle
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,6 +67,7 @@ class RowSummary:
     turns: int
     tool_calls: int
     tool_errors: dict[str, int] = field(default_factory=dict)  # failed calls by error_kind; parse errors as "malformed_call"
+    versions: dict[int, int] = field(default_factory=dict)  # weight version -> generated tokens it produced
 
     @property
     def tokens(self) -> int:
@@ -80,6 +83,7 @@ class RowData:
     response_ids: np.ndarray
     loss_mask: np.ndarray
     log_probs: np.ndarray  # the engine's, of the generated tokens (0 on observation tokens)
+    versions: np.ndarray  # the weight version that generated each response token (-1 on observation tokens)
 
 
 # Tool failures counted per kind in the metrics (tools/errors/<kind>); others count as "other".
@@ -108,14 +112,18 @@ class Rollouts:
     group_size: int
     engine_stats: list[dict[str, float]]  # one per engine
     local: dict[int, tuple[Any, str]] = field(default_factory=dict)  # row -> (Trajectory, response text)
+    versions: dict[int, list[int]] = field(default_factory=dict)  # row made here -> weight version per generated token
     reward_future: Any = None  # this process's rows being scored
     reward: Any = None  # RewardResult of all rows, once gathered
     extra_stats: dict[str, float] = field(default_factory=dict)  # e.g. dynamic sampling's refill counts
 
     def row_data(self, row: int) -> RowData:
         traj, _ = self.local[row]
+        mask = np.asarray(traj.loss_mask, dtype=np.int8)
+        versions = np.full(len(mask), -1, dtype=np.int32)
+        versions[mask > 0] = self.versions.get(row, [])
         return RowData(row, np.asarray(traj.prompt_ids, dtype=np.int64), np.asarray(traj.response_ids, dtype=np.int64),
-                       np.asarray(traj.loss_mask, dtype=np.int8), np.asarray(traj.logprobs, dtype=np.float32))
+                       mask, np.asarray(traj.logprobs, dtype=np.float32), versions)
 
     def stored_record(self, row: int, step: int, advantages: np.ndarray):
         """A row this process made, as the rollout store keeps it (its reward gathered)."""
@@ -131,7 +139,20 @@ class Rollouts:
             np.asarray(traj.logprobs), advantages, float(self.reward.scores[row]), calls,
             {"data_source": record.data_source, "ground_truth": str(record.ground_truth),
              "group": row // self.group_size, "stop_reason": traj.stop_reason, "turns": len(traj.turns),
-             "reward_error": self.reward.errors[row]})
+             "reward_error": self.reward.errors[row], "weight_versions": _runs(self.versions.get(row, []))})
+
+    def staleness(self, version: int) -> dict[str, float]:
+        """How many updates behind `version` (the weights being trained) the generated tokens'
+        weights are: mean, max, and the share of tokens at each staleness (a histogram)."""
+        counts: dict[int, int] = {}
+        for summary in self.summaries:
+            for made_by, tokens in summary.versions.items():
+                counts[version - made_by] = counts.get(version - made_by, 0) + tokens
+        total = max(sum(counts.values()), 1)
+        metrics = {"rollout/staleness_mean": sum(k * n for k, n in counts.items()) / total,
+                   "rollout/staleness_max": float(max(counts, default=0))}
+        metrics.update({f"rollout/staleness_{k}_frac": n / total for k, n in sorted(counts.items())})
+        return metrics
 
     def stats(self) -> dict[str, float]:
         rows = self.summaries
@@ -155,7 +176,7 @@ class Rollouts:
         """The given rows of one or more rollouts, in order, as one (rows renumbered from 0)."""
         from rlfactory_megatron.rewards.records import RewardResult
 
-        summaries, records, local, rewards = [], [], {}, []
+        summaries, records, local, versions, rewards = [], [], {}, {}, []
         for part, picked in parts:
             for index in picked:
                 position = len(summaries)
@@ -163,6 +184,8 @@ class Rollouts:
                 records.append(part.records[index])
                 if index in part.local:
                     local[position] = part.local[index]
+                if index in part.versions:
+                    versions[position] = part.versions[index]
                 rewards.append((part.reward, index))
         # Work adds up over the parts; the weight version is the one they all generated with.
         engines = [{k: (max if k in ("weight_version", "failed") else sum)(p.engine_stats[e][k] for p, _ in parts)
@@ -171,7 +194,30 @@ class Rollouts:
         reward = RewardResult([r.scores[i] for r, i in rewards], [r.response_lengths[i] for r, i in rewards],
                               [r.extras[i] for r, i in rewards], [r.errors[i] for r, i in rewards],
                               [r.error_kinds[i] for r, i in rewards])
-        return Rollouts(summaries, records, parts[0][0].group_size, engines, local, reward=reward)
+        return Rollouts(summaries, records, parts[0][0].group_size, engines, local, versions, reward=reward)
+
+
+def _runs(values: list[int]) -> list[list[int]]:
+    """[3, 3, 4] -> [[3, 2], [4, 1]]: (value, count) runs, how the store keeps per-token versions."""
+    runs: list[list[int]] = []
+    for value in values:
+        if runs and runs[-1][0] == value:
+            runs[-1][1] += 1
+        else:
+            runs.append([value, 1])
+    return runs
+
+
+@dataclass
+class PendingRollout:
+    """A rollout phase started with `RolloutPlane.start` and not yet finished: its prompts (on
+    every rank) and, in the generating process, the generation under way."""
+
+    records: list[PromptRecord]
+    step: int
+    greedy: bool
+    first_row: int
+    generation: concurrent.futures.Future | None = None  # -> (local, summaries, engine stats, versions)
 
 
 @dataclass
@@ -180,6 +226,7 @@ class TrainRows:
 
     batch: RolloutBatch
     engine_log_probs: torch.Tensor  # [B, T], aligned to the batch's tokens
+    engine_versions: torch.Tensor  # [B, T]: the weight version that generated each token (-1: not generated)
 
 
 def pad_rows(ids_list: list[list[int]], masks: list[list[int]], group_size: int = 1,
@@ -234,11 +281,23 @@ class RolloutPlane:
         self.ranks_of_dp = [[r for r, d in enumerate(dp_of_rank) if d == dp] for dp in range(self.dp_size)]
         self.manager = get_tool_manager(cfg.tools.format, tokenizer)
         self._loop = asyncio.new_event_loop()
+        # Asynchronous RL: the loop (agent loops, tools, engine calls) runs on a thread of its own,
+        # so that generation goes on while this thread trains; work is handed to it by `_run`.
+        self._loop_thread = None
+        if cfg.trainer.max_staleness > 0:
+            self._loop_thread = threading.Thread(target=self._loop.run_forever, name="rlf-rollout-loop", daemon=True)
+            self._loop_thread.start()
         ray_join = self.broadcast(self._start_ray() if self.layout.rank == 0 else None)
         if self.layout.engine_index is not None:
             self._start_services(*ray_join)
 
     # ------------------------------------------------------------------ set-up
+    def _run(self, coroutine):
+        """Run `coroutine` on this process's event loop and return its result."""
+        if self._loop_thread is None:
+            return self._loop.run_until_complete(coroutine)
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
     def broadcast(self, obj: Any) -> Any:
         box = [obj]
         if self.layout.world > 1:
@@ -386,7 +445,7 @@ class RolloutPlane:
                                              "max_concurrency": cfg.max_concurrency, "call_timeout_s": cfg.call_timeout_s,
                                              "channel": cfg.channel})
         self.tool_pool = ToolPool(pool_cfg, self.artifacts)
-        self.tool_schemas = self._loop.run_until_complete(self.tool_pool.start())
+        self.tool_schemas = self._run(self.tool_pool.start())
         if self.layout.rank == 0:
             _report_sandboxes(pool_cfg.tools)
 
@@ -395,24 +454,40 @@ class RolloutPlane:
         """n trajectories per prompt (1 when greedy), each engine generating its share of the
         prompts; the rows of this process are submitted for scoring at once. `first_row` numbers
         the rows for their sampling seeds (refills must not repeat a step's earlier samples)."""
-        n = 1 if greedy else self.cfg.rollout.n
-        mine: list[int] = []
+        return self.finish(self.start(records, step, greedy, first_row))
+
+    def start(self, records: list[PromptRecord], step: int, greedy: bool = False, first_row: int = 0) -> PendingRollout:
+        """Start a rollout phase (`rollout`'s first half): the generating process's share begins on
+        its event loop; `finish` waits for it. No collective: ranks may start phases at any time,
+        and must finish them in the same order."""
+        pending = PendingRollout(records, step, greedy, first_row)
         if self.layout.engine_index is not None:
-            share = self.layout.share(len(records), self.layout.engine_index)
-            mine = [i * n + k for i in share for k in range(n)]
-        local, summaries, engines = self._generate(records, mine, n, step, greedy, first_row)
+            pending.generation = asyncio.run_coroutine_threadsafe(self._generate(pending), self._loop) \
+                if self._loop_thread is not None else _done(self._loop.run_until_complete(self._generate(pending)))
+        return pending
+
+    def finish(self, pending: PendingRollout) -> Rollouts:
+        """Collective: the phase's rows from every generating process, this process's submitted for scoring."""
+        n = 1 if pending.greedy else self.cfg.rollout.n
+        local, summaries, engines, versions = (pending.generation.result() if pending.generation is not None
+                                               else ({}, [], [], {}))
         gathered = self._gather((summaries, engines))
         every_row = sorted((row for part, _ in gathered for row in part), key=lambda r: r.row)
+        records = pending.records
         rollouts = Rollouts(every_row, [records[i // n] for i in range(len(records) * n)], n,
-                            [stats for _, part in gathered for stats in part], local)
+                            [stats for _, part in gathered for stats in part], local, versions)
         if local:
             rollouts.reward_future = self.reward_pool.submit(self._reward_samples(rollouts, sorted(local)))
         return rollouts
 
-    def _generate(self, records, mine: list[int], n: int, step: int, greedy: bool, first_row: int):
-        if self.layout.engine_index is None:
-            return {}, [], []
+    async def _generate(self, pending: PendingRollout):
+        """This process's rows of a phase: (trajectories + text, summaries, engine stats, token versions)."""
         from rlfactory_megatron.envs.agent_loop import AgentLoopConfig, run_agent_loop
+
+        records, step, greedy, first_row = pending.records, pending.step, pending.greedy, pending.first_row
+        n = 1 if greedy else self.cfg.rollout.n
+        share = self.layout.share(len(records), self.layout.engine_index)
+        mine = [i * n + k for i in share for k in range(n)]
 
         cfg = self.cfg
         loop_cfg = AgentLoopConfig(max_turns=cfg.tools.max_turns if cfg.tools.enable else 1,
@@ -426,32 +501,32 @@ class RolloutPlane:
         run_tool = self.tool_pool.call if self.tool_pool is not None else None
 
         sessions = {row: self.router.session() for row in mine}  # each trajectory stays on one engine
-
-        async def all_samples():
-            jobs = [run_agent_loop(prompts[row // n], sessions[row], self.manager, run_tool,
-                                   sampling if greedy else {**sampling, "seed": self.sample_seed(step, first_row + row)},
-                                   loop_cfg)
-                    for row in mine]
-            return await asyncio.gather(*jobs)
-
         engines = self.router.engines
         before = [(engine.requests, engine.busy_s) for engine in engines]
-        trajectories = self._loop.run_until_complete(all_samples())
-        local, summaries = {}, []
+        trajectories = await asyncio.gather(*(
+            run_agent_loop(prompts[row // n], sessions[row], self.manager, run_tool,
+                           sampling if greedy else {**sampling, "seed": self.sample_seed(step, first_row + row)}, loop_cfg)
+            for row in mine))
+        local, summaries, versions = {}, [], {}
         generated = [0] * len(engines)
+        newest = [-1] * len(engines)  # the newest weights each engine generated this phase's tokens with
         for row, traj in zip(mine, trajectories):
             text = self.tokenizer.decode([t for t, m in zip(traj.response_ids, traj.loss_mask) if m])
             local[row] = (traj, text)
+            versions[row] = sessions[row].token_versions(sum(traj.loss_mask))
             summaries.append(RowSummary(row, self.layout.engine_index, len(traj.prompt_ids), len(traj.response_ids),
                                         len(traj.turns), sum(len(turn.tool_calls) for turn in traj.turns),
-                                        _tool_errors(traj)))
-            if sessions[row].engine is not None:
-                generated[sessions[row].engine] += sum(traj.loss_mask)
+                                        _tool_errors(traj), {v: versions[row].count(v) for v in sorted(set(versions[row]))}))
+            for engine, version, tokens in sessions[row].calls:
+                generated[engine] += tokens
+                newest[engine] = max(newest[engine], version)
         stats = [{"requests": float(engine.requests - requests), "generated_tokens": float(tokens),
-                  "busy_s": engine.busy_s - busy, "weight_version": float(self.transport.served_version),
+                  "busy_s": engine.busy_s - busy,
+                  "weight_version": float(version if version >= 0 else self.router.version),
                   "failed": float(index in self.router.failed)}
-                 for index, (engine, (requests, busy), tokens) in enumerate(zip(engines, before, generated))]
-        return local, summaries, stats
+                 for index, (engine, (requests, busy), tokens, version)
+                 in enumerate(zip(engines, before, generated, newest))]
+        return local, summaries, stats, versions
 
     def place(self, rollouts: Rollouts) -> TrainRows:
         """This DP rank's rows, from the processes that made them: each row goes point to point to
@@ -472,10 +547,12 @@ class RolloutPlane:
                          [[0] * len(r.prompt_ids) + r.loss_mask.tolist() for r in rows], rollouts.group_size,
                          step_rows=[r.row for r in rows], step_size=len(rollouts.summaries))
         engine_log_probs = torch.zeros(batch.input_ids.shape)
+        engine_versions = torch.full(batch.input_ids.shape, -1, dtype=torch.long)
         for i, r in enumerate(rows):
             start = len(r.prompt_ids)
             engine_log_probs[i, start:start + len(r.log_probs)] = torch.from_numpy(r.log_probs)
-        return TrainRows(batch, engine_log_probs)
+            engine_versions[i, start:start + len(r.versions)] = torch.from_numpy(r.versions).long()
+        return TrainRows(batch, engine_log_probs, engine_versions)
 
     def row_owners(self, rollouts: Rollouts) -> list[int]:
         """The DP rank that trains each row of `rollouts`."""
@@ -528,12 +605,23 @@ class RolloutPlane:
     # ------------------------------------------------------------------ weights
     def sync(self, actor_engine, version: int) -> None:
         """The actor's weights into every engine in one collective sync (disaggregated engines
-        that died since the last one are replaced first, so they serve these weights)."""
+        that died since the last one are replaced first, so they serve these weights). With
+        generation in flight (asynchronous RL), engine calls pause for it: calls under way finish
+        on the old weights, later ones run on the new."""
         from rlfactory_megatron.rollout.weight_sync import sync_weights
 
-        if self.pool:
-            self._replace_failed_engines()
-        sync_weights(actor_engine, self.transport, self.cfg.weight_sync.bucket_mb, version=version)
+        paused = self._loop_thread is not None and self.router is not None
+        if paused:
+            self._run(self.router.pause())
+        try:
+            if self.pool:
+                self._replace_failed_engines()
+            sync_weights(actor_engine, self.transport, self.cfg.weight_sync.bucket_mb, version=version)
+        finally:
+            if self.router is not None:
+                # A sync cut short leaves the engines serving (layers of both versions): the version
+                # stays the last complete one.
+                self._run(self.router.resume(self.transport.served_version))
 
     def _replace_failed_engines(self) -> None:
         """A fresh actor for each engine that died (its requests already ran elsewhere), and a
@@ -556,7 +644,7 @@ class RolloutPlane:
                 ray.kill(self.pool[index].actor, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
                 pass
-            self._loop.run_until_complete(self.router.engines[index].close())
+            self._run(self.router.engines[index].close())
             self._replaced += 1
             self.pool[index] = self._new_pool_engine(index, self._replaced)
             self.router.revive(index, AsyncBatchingEngine(self.pool[index]))
@@ -618,9 +706,12 @@ class RolloutPlane:
         if self.router is None:
             return
         for engine in self.router.engines:  # their batching tasks end with the loop
-            self._loop.run_until_complete(engine.close())
+            self._run(engine.close())
         if self.tool_pool is not None:
-            self._loop.run_until_complete(self.tool_pool.close())
+            self._run(self.tool_pool.close())
+        if self._loop_thread is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._loop_thread.join(timeout=30)
         self.reward_pool.shutdown()
         for engine in [self.engine, *self.pool]:
             if engine is not None:
@@ -628,6 +719,12 @@ class RolloutPlane:
         for store in (self.rollout_store, self.artifacts):
             if store is not None:
                 store.close()
+
+
+def _done(result) -> concurrent.futures.Future:
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_result(result)
+    return future
 
 
 # A disaggregated engine that dies at this many weight syncs in a row ends the run.

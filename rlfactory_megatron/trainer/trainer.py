@@ -21,7 +21,7 @@ import torch.distributed as dist
 from rlfactory_megatron.actor.actor import Actor, Critic, PolicyModel
 from rlfactory_megatron.actor.batch import RolloutBatch
 from rlfactory_megatron.algorithms import compute_advantages
-from rlfactory_megatron.algorithms.rollout_correction import rollout_correction
+from rlfactory_megatron.algorithms.rollout_correction import correction_settings, rollout_correction
 from rlfactory_megatron.models.builder import BuildOptions
 from rlfactory_megatron.models.hf_arch import load_arch
 from rlfactory_megatron.trainer.data import PromptRecord, PromptSampler, load_prompts
@@ -29,6 +29,7 @@ from rlfactory_megatron.trainer.dynamic_sampling import informative_rollouts
 from rlfactory_megatron.trainer.logger import MetricsLogger
 from rlfactory_megatron.trainer.presets import apply_preset
 from rlfactory_megatron.trainer.checkpoint import load_checkpoint, resume_directory, save_checkpoint
+from rlfactory_megatron.trainer.pipeline import AHEAD_FILE, RolloutPipeline
 from rlfactory_megatron.trainer.rollouts import RolloutPlane, Rollouts
 from rlfactory_megatron.trainer.sft import demonstration_rows, sft_warm_start
 from rlfactory_megatron.trainer.tasks import TASKS
@@ -74,6 +75,11 @@ class Trainer:
         self.step_index = 0
         self.logger = None
         self.plane = RolloutPlane(cfg, self.hf_dir, self.tokenizer, self.output)
+        # Asynchronous RL: batches generated ahead of training (pipeline.py); None: synchronous steps.
+        self.pipeline = (RolloutPipeline(self.plane, self._draw, cfg.trainer.max_staleness, cfg.trainer.partial_rollout,
+                                         cfg.trainer.total_steps)
+                         if cfg.trainer.max_staleness > 0 else None)
+        self.correction = correction_settings(cfg.actor.rollout_correction, asynchronous=self.pipeline is not None)
         if self.is_leader:
             self.logger = MetricsLogger(self.output, cfg.trainer.total_steps, cfg.logging.jsonl,
                                         cfg.logging.tensorboard, cfg.logging.wandb_project,
@@ -107,9 +113,14 @@ class Trainer:
 
         clock = time.perf_counter()
         old = None
-        correction = {k: v for k, v in dict(self.cfg.actor.rollout_correction).items() if v is not None}
+        correction = self.correction
+        on_policy = self.actor.updates_on_policy(batch.total_rows)
+        # A token IS correction alone on an on-policy update is applied inside it, from its own
+        # forward pass (the log-probs a separate pass would give); a sequence mask must shape the
+        # batch before the update.
+        tis_in_update = on_policy and set(correction) == {"tis_cap"}
         # On-policy, the update's own forward gives them; a correction needs them before the update.
-        if correction or not self.actor.updates_on_policy(batch.total_rows):
+        if (correction and not tis_in_update) or not on_policy:
             old = self.actor.compute_log_probs(batch, with_entropy=True)
             batch = batch.with_fields(old_log_probs=old["log_probs"])
         if self.reference is not None:
@@ -129,14 +140,21 @@ class Trainer:
         self.plane.record(rollouts, batch, self.step_index + 1)
         trained_mask = batch.loss_mask > 0  # the rows' own, for the metrics below
         correction_metrics = {}
-        if correction:
+        if correction and not tis_in_update:
             corrected = rollout_correction(old["log_probs"], rows.engine_log_probs, batch.loss_mask, **correction)
             advantages_used, loss_mask = corrected.apply(batch.advantages, batch.loss_mask)
             batch = batch.with_fields(advantages=advantages_used, loss_mask=loss_mask)
             correction_metrics = _rollout_correction_metrics(corrected, trained_mask)
 
         clock = time.perf_counter()
-        metrics = self.actor.update(batch)
+        if tis_in_update:
+            metrics = self.actor.update(batch.with_fields(engine_log_probs=rows.engine_log_probs),
+                                        tis_cap=correction["tis_cap"])
+            old = {"log_probs": self.actor.update_log_probs}  # what the weights were computed from
+            corrected = rollout_correction(old["log_probs"], rows.engine_log_probs, batch.loss_mask, **correction)
+            correction_metrics = _rollout_correction_metrics(corrected, trained_mask)
+        else:
+            metrics = self.actor.update(batch)
         if self.critic is not None:
             metrics.update(self.critic.update(batch))
         self._stop_if_diverging(metrics, reward)
@@ -144,8 +162,9 @@ class Trainer:
 
         clock = time.perf_counter()
         self.step_index += 1
-        self._sync_weights()
-        timings["time/sync_s"] = time.perf_counter() - clock
+        waited = self._sync_weights()
+        timings["time/sync_s"] = time.perf_counter() - clock - waited
+        timings["time/generate_s"] += waited  # the trainer's wait for generation, wherever it waited
 
         tokens = float(sum(r.tokens for r in rollouts.summaries))
         step_time = sum(timings.values())
@@ -153,9 +172,16 @@ class Trainer:
         metrics.update(reward.metrics())
         metrics.update(rollouts.stats())
         metrics.update(correction_metrics)
+        if self.pipeline is not None:
+            metrics.update(self._staleness(rollouts))
+            if old is not None:  # the gap on the tokens of the weights just trained: ~0, as in a synchronous step
+                fresh = trained_mask & (rows.engine_versions == self.step_index - 1)
+                gap = _rollout_logprob_gap(rows.engine_log_probs, old["log_probs"], fresh)
+                metrics.update({f"{k}_fresh": v for k, v in gap.items()})
         mask = trained_mask
         if old is not None:
-            metrics["actor/entropy_old"] = _over_dp(old["entropy"], mask)[0]
+            # The entropy of the policy trained from: a separate pass's, or the on-policy update's own.
+            metrics["actor/entropy_old"] = _over_dp(old["entropy"], mask)[0] if "entropy" in old else metrics["actor/entropy"]
             metrics.update(_rollout_logprob_gap(rows.engine_log_probs, old["log_probs"], mask))
         else:  # the entropy of the same policy, from the update's own forward pass
             metrics["actor/entropy_old"] = metrics["actor/entropy"]
@@ -179,22 +205,44 @@ class Trainer:
                     f"rewards {'are all finite' if np.isfinite(reward.scores).all() else 'hold non-finite values'}); "
                     f"lower actor.optim.lr or raise trainer.max_skipped_updates={limit}")
 
-    def _sync_weights(self) -> None:
+    def _staleness(self, rollouts: Rollouts) -> dict[str, float]:
+        """How old the trained tokens' weights are (rollout/staleness_*); more than
+        trainer.max_staleness would be a bug of the pipeline, so it stops the run."""
+        metrics = rollouts.staleness(self.step_index - 1)  # this step's update started from that version
+        if metrics["rollout/staleness_max"] > self.cfg.trainer.max_staleness:
+            raise RuntimeError(f"step {self.step_index}: a trained token is {metrics['rollout/staleness_max']:g} "
+                               f"weight versions old, over trainer.max_staleness={self.cfg.trainer.max_staleness}")
+        return metrics
+
+    def _sync_weights(self) -> float:
         """The actor's weights into every engine, once they are known to be finite; each engine
-        then reports serving version `step_index`."""
+        then reports serving version `step_index`; asynchronous, the batches it allows start.
+        Returns the seconds spent waiting for batches in flight first (asynchronous, no partial rollout)."""
         self.actor.engine.check_finite("the weight sync")
         self.plane.wake_up()
+        clock = time.perf_counter()
+        if self.pipeline is not None:
+            self.pipeline.before_sync()
+        waited = time.perf_counter() - clock
         self.plane.sync(self.actor.engine, self.step_index)
+        if self.pipeline is not None:
+            self.pipeline.after_sync(self.step_index)
+        return waited
+
+    def _draw(self) -> list[PromptRecord]:
+        return [self.records[i] for i in self.sampler.next(self.cfg.trainer.prompts_per_step)]
 
     def _generate(self) -> Rollouts:
         """This step's rollouts on every engine; their rewards are gathered later (overlapped),
-        except with dynamic sampling (DAPO), which needs them to choose the groups it keeps."""
+        except with dynamic sampling (DAPO), which needs them to choose the groups it keeps.
+        Asynchronous, the batch generated ahead for this step."""
         cfg = self.cfg.trainer
-        draw = lambda: [self.records[i] for i in self.sampler.next(cfg.prompts_per_step)]  # noqa: E731
+        if self.pipeline is not None:
+            return self.pipeline.take(self.step_index)
         if self.preset.drop_uniform_groups:
-            return informative_rollouts(self.plane, draw, self.step_index, cfg.prompts_per_step, self.cfg.rollout.n,
-                                        cfg.max_refill_rounds)
-        return self.plane.rollout(draw(), self.step_index)
+            return informative_rollouts(self.plane, self._draw, self.step_index, cfg.prompts_per_step,
+                                        self.cfg.rollout.n, cfg.max_refill_rounds)
+        return self.plane.rollout(self._draw(), self.step_index)
 
     # ------------------------------------------------------------------ the run
     def fit(self) -> dict[str, float]:
@@ -241,14 +289,17 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
+        ahead = self.pipeline.state() if self.pipeline is not None else None
         return save_checkpoint(self.output, self.step_index, self.actor, self.critic, self.sampler,
-                               self.cfg.trainer.keep_last)
+                               self.cfg.trainer.keep_last, files={AHEAD_FILE: ahead} if ahead is not None else None)
 
     def _maybe_resume(self) -> None:
         directory = resume_directory(self.cfg.trainer.resume, self.output)
         if directory is None:
             return
         self.step_index = load_checkpoint(directory, self.actor, self.critic, self.sampler)
+        if self.pipeline is not None:
+            self.pipeline.restore(directory)
         self._sync_weights()
         if self.is_leader:
             self.logger.rewind(self.step_index)

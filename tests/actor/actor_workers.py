@@ -82,16 +82,42 @@ def on_policy_worker(hf_dir: str, tp: int, pp: int, mini_batch_size: int) -> dic
                 old = actor.compute_log_probs(batch, with_entropy=True)
                 batch = batch.with_fields(old_log_probs=old["log_probs"])
                 out["entropy_old"] = float(old["entropy"][batch.loss_mask > 0].mean())
+                out["old_log_probs"] = old["log_probs"]
             try:
                 metrics = actor.update(batch)
             except ValueError as err:
                 out[name] = {"error": str(err)}
                 continue
             out[name] = {"metrics": metrics, "weights": dict(actor.engine.iter_hf_weights())}
+            if name == "own_forward":
+                out[name]["update_log_probs"] = actor.update_log_probs
         out["on_policy"] = actor.updates_on_policy(batch.batch_size)
+        if out["on_policy"]:
+            out.update(_corrected_updates(cfg, arch, hf_dir))
         return out
     finally:
         destroy_distributed()
+
+
+def _corrected_updates(cfg, arch, hf_dir: str) -> dict:
+    """A token IS correction (cap 1.2) against engine log-probs off the trainer's, applied to the
+    advantages before an update with a separate pass, and inside an on-policy update."""
+    from rlfactory_megatron.algorithms.rollout_correction import rollout_correction
+
+    out = {}
+    for name in ("tis_before_update", "tis_in_update"):
+        actor = Actor(cfg.actor, arch, hf_dir, BuildOptions(), total_steps=10)
+        batch = make_batch(arch.vocab_size)
+        old = actor.compute_log_probs(batch)["log_probs"]
+        shift = 0.4 * torch.sin(torch.arange(old.numel(), dtype=torch.float32)).reshape(old.shape)
+        engine = (old + shift) * batch.loss_mask  # an engine whose policy is not quite the trainer's
+        if name == "tis_before_update":
+            weights = rollout_correction(old, engine, batch.loss_mask, tis_cap=1.2).token_weights
+            metrics = actor.update(batch.with_fields(old_log_probs=old, advantages=batch.advantages * weights))
+        else:
+            metrics = actor.update(batch.with_fields(engine_log_probs=engine), tis_cap=1.2)
+        out[name] = {"metrics": metrics, "weights": dict(actor.engine.iter_hf_weights())}
+    return out
 
 
 def sft_worker(hf_dir: str, temperature: float) -> dict:

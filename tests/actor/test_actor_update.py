@@ -78,6 +78,16 @@ def test_on_policy_update_needs_no_separate_log_prob_pass(tiny_hf_dirs, tp, pp):
     for name, tensor in a["weights"].items():
         assert (tensor - b["weights"][name]).abs().max() <= 1e-6, name
     assert b["metrics"]["actor/entropy"] == pytest.approx(out["entropy_old"], rel=1e-5)
+    # The on-policy update keeps the log-probs of its own forward: those of the separate pass.
+    assert torch.allclose(b["update_log_probs"], out["old_log_probs"], atol=1e-6)
+    # A token IS correction inside the on-policy update (no separate pass) makes the step that
+    # weighting the advantages after a separate pass makes.
+    before, inside = out["tis_before_update"], out["tis_in_update"]
+    assert before["metrics"]["actor/grad_norm"] != pytest.approx(a["metrics"]["actor/grad_norm"], rel=1e-3)
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/clip_frac"):
+        assert inside["metrics"][key] == pytest.approx(before["metrics"][key], abs=1e-6), key
+    for name, tensor in before["weights"].items():
+        assert (tensor - inside["weights"][name]).abs().max() <= 1e-6, name
 
 
 def test_update_without_old_log_probs_is_refused_when_it_takes_several_steps(tiny_hf_dirs):

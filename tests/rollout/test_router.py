@@ -90,3 +90,30 @@ def test_requests_of_a_failed_engine_run_again_on_the_others():
     router.fail(0, ConnectionError("gone")), router.fail(1, ConnectionError("gone too"))
     with pytest.raises(EngineFailedError, match="every rollout engine failed: engine 0: ConnectionError: gone"):
         asyncio.run(step(1))
+
+
+def test_a_pause_lets_running_calls_finish_holds_new_ones_and_each_call_keeps_its_version():
+    # A weight update in flight: pause() returns once no call is under way, calls made meanwhile
+    # wait, and after resume(version) they run on the new version, which the session records for
+    # the tokens each call generated.
+    engine = Engine(0.02)
+    router = EngineRouter([engine])
+
+    async def run():
+        session = router.session()
+        first = asyncio.create_task(session.generate([1], {}))
+        await asyncio.sleep(0.005)  # the first call is under way
+        await router.pause()
+        assert first.done() and engine.requests == 1  # it finished before the pause returned
+        second = asyncio.create_task(session.generate([1, 7, 8], {}))
+        await asyncio.sleep(0.05)
+        assert not second.done() and engine.requests == 1  # held while the weights change
+        await router.resume(4)
+        await second
+        return session
+
+    session = asyncio.run(run())
+    assert session.calls == [(0, 0, 2), (0, 4, 2)]
+    assert session.token_versions(4) == [0, 0, 4, 4]
+    assert session.token_versions(3) == [0, 0, 4]  # the agent loop kept fewer tokens
+    assert router.outstanding == [0]

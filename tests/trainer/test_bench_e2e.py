@@ -17,7 +17,7 @@ def test_bench_e2e_reports_both_sides(tmp_path):
         env.pop(var, None)
     out = tmp_path / "e2e.json"
     args = ["e2e", "--prompts", "2", "--n", "2", "--max-tokens", "16", "--warmup", "0", "--steps", "1",
-            "--target", "0", "--out", str(out)]
+            "--target", "0", "--async", "--async-target", "0", "--out", str(out)]
     run = subprocess.run([str(BIN / "rlf-bench"), *args], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -30,3 +30,9 @@ def test_bench_e2e_reports_both_sides(tmp_path):
     assert report["ratio_tokens_per_s"] == report["ours"]["tokens_per_s"] / report["trl"]["tokens_per_s"]
     assert "tokens/s (prompt+completion)" in run.stdout and "ratio ours/TRL" in run.stdout
     assert "command: OMP_NUM_THREADS=1 rlf-bench e2e --prompts 2" in run.stdout
+    # --async: ours on a disaggregated engine, synchronously and one step off-policy.
+    runs = report["async"]
+    for name in ("synchronous", "asynchronous"):
+        assert runs[name]["tokens_per_s"] > 0 and runs[name]["phase_shares"]["update"] > 0
+    assert runs["ratio_tokens_per_s"] == runs["asynchronous"]["tokens_per_s"] / runs["synchronous"]["tokens_per_s"]
+    assert 0 <= runs["generation_hidden"] <= 1 and "ratio asynchronous/synchronous" in run.stdout

@@ -66,3 +66,14 @@ class EngineKillingCalculator(CalculatorTool):
             EngineKillingCalculator.killed = True
             ray.kill(ray.get_actor("rlf-engine-0"), no_restart=True)
         return await super().execute(args)
+
+
+class SlowCalculator(CalculatorTool):
+    """The calculator, answering after DELAY_S: a trajectory waiting for it is still in flight when
+    a short training step ends, so an asynchronous run's weight update lands between its turns."""
+
+    DELAY_S = 3.0
+
+    async def execute(self, args):
+        await asyncio.sleep(self.DELAY_S)
+        return await super().execute(args)
