@@ -12,7 +12,9 @@ from rlfactory_megatron.rollout.weight_sync import WeightSyncError, check_manife
 from rlfactory_megatron.runtime.distributed import spawn_local_workers  # noqa: E402
 
 
-@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
+# tp=2 pp=2 exports through both kinds of model parallelism at once (TP gathers and PP stages);
+# tp=2 and pp=2 alone run in tests/trainer (the parallel and multinode rlf-train runs).
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2)])
 def test_vllm_log_probs_equal_actor_log_probs_after_each_sync(tiny_hf_dirs, tp, pp):
     # qwen3: tied embeddings (the LM head must follow embed_tokens) and q/k norms. 0.1 MB buckets:
     # the 2.6 MB model arrives in ~20 loads, so fused groups spanning bucket edges would show here.

@@ -2,11 +2,13 @@
 batches generated ahead of training under trainer.max_staleness, the version of every token in
 the rollout store, exact resume of a killed run, and weight updates that land mid-trajectory."""
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
-from rlf_train_cli import TIMING_KEYS, kill_after_checkpoint, records, rlf_train, stored_trajectories  # noqa: E402
+from rlf_train_cli import (  # noqa: E402
+    BIN, TIMING_KEYS, env_for, kill_after_checkpoint, records, rlf_train, stored_trajectories)
 
 from rlfactory_megatron.envs.storage import RolloutStore  # noqa: E402
 
@@ -78,6 +80,11 @@ def test_partial_rollout_lands_weight_updates_mid_trajectory(tmp_path):
         assert min(tokens) >= step - 2 and max(tokens) <= step - 1  # never more than max_staleness=1 old
         mixed += len(set(tokens)) > 1
     assert mixed > 0, versions  # some trajectory had turns from two versions
+    step, sample = next(key for key, tokens in versions.items() if len(set(tokens)) > 1)
+    shown = subprocess.run([str(BIN / "rlf-cache"), "show", str(tmp_path / "partial"), "--step", str(step),
+                            "--sample", sample], capture_output=True, text=True, env=env_for(tmp_path), timeout=120)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert f"weight versions: v{step - 2} x " in shown.stdout and f", v{step - 1} x " in shown.stdout, shown.stdout[:2000]
     for r in steps:
         assert r["rollout/staleness_max"] <= 1
         # Tokens of the weights being trained (those after an update, and every token of a batch
