@@ -61,18 +61,26 @@ def test_async_batches_are_at_most_max_staleness_old_and_a_killed_run_resumes_ex
     assert stored_trajectories(tmp_path / "killed") == stored_trajectories(tmp_path / "full")
 
 
-def test_partial_rollout_lands_weight_updates_mid_trajectory(tmp_path):
+def test_partial_rollout_lands_weight_updates_mid_trajectory_and_survives_an_engine_death(tmp_path):
     # A calculator that answers after 3 s: while a trajectory of the batch ahead waits for it,
     # the short training step ends and its weights sync, so the trajectory's later turns come
     # from the new weights. A longer warm-start, so that the tiny policy calls the calculator.
+    # Its first call kills engine 0 of 2 with batches in flight: their requests run again on
+    # engine 1, and a new engine 0 joins at the next sync.
     faults = Path(__file__).parent / "faults"
     tools = tmp_path / "tools.yaml"
-    tools.write_text("tools:\n  - class: rlf_faulty.SlowCalculator\n    description: Evaluate an arithmetic expression.\n")
-    run = rlf_train(tmp_path, "partial", *ASYNC, "trainer.partial_rollout=true", f"tools.config_path={tools}",
+    tools.write_text("tools:\n  - class: rlf_faulty.SlowEngineKillingCalculator\n"
+                     "    description: Evaluate an arithmetic expression.\n")
+    run = rlf_train(tmp_path, "partial", *ASYNC, "rollout.num_engines=2", "trainer.partial_rollout=true",
+                    f"tools.config_path={tools}",
                     "trainer.sft_steps=60", "trainer.sft_batch_size=16", "trainer.total_steps=3",
                     "trainer.val_every=0", "trainer.save_every=0", env={"PYTHONPATH": str(faults)})
     assert run.returncode == 0, run.stderr[-3000:]
+    assert "rollout engine 0 died" in run.stdout
     steps = records(tmp_path / "partial")
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    # Each trajectory trained once: 2 prompts x 2 samples per step, none lost to the death.
+    assert sorted(stored_trajectories(tmp_path / "partial")) == [(s, f"{r:05d}") for s in (1, 2, 3) for r in range(4)]
     versions = _token_versions(tmp_path / "partial")
     mixed = 0
     for (step, sample), tokens in versions.items():

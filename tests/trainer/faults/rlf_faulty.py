@@ -77,3 +77,18 @@ class SlowCalculator(CalculatorTool):
     async def execute(self, args):
         await asyncio.sleep(self.DELAY_S)
         return await super().execute(args)
+
+
+class SlowEngineKillingCalculator(SlowCalculator):
+    """The slow calculator whose first call in this process kills engine rlf-engine-0, with the
+    batch ahead in flight (asynchronous RL)."""
+
+    killed = False
+
+    async def execute(self, args):
+        if not SlowEngineKillingCalculator.killed:
+            import ray
+
+            SlowEngineKillingCalculator.killed = True
+            ray.kill(ray.get_actor("rlf-engine-0"), no_restart=True)
+        return await super().execute(args)
