@@ -90,7 +90,9 @@ class RolloutConfig:
     max_response_tokens: int = 256  # token budget of a whole trajectory after the prompt (all turns and observations)
     stop: list[str] = field(default_factory=list)  # extra stop strings (the tool format's end-of-turn ids always stop)
     tp: int = 1  # tensor-parallel size of each engine
-    gpu_memory_utilization: float = 0.5  # vLLM's memory share (on CPU: of host memory, for its KV cache)
+    # vLLM's memory share; on CPU the KV cache is what max_num_seqs full-length sequences need,
+    # at most this share of host memory
+    gpu_memory_utilization: float = 0.5
 
 
 @dataclass
