@@ -60,12 +60,17 @@ class EngineKillingCalculator(CalculatorTool):
     killed = False
 
     async def execute(self, args):
-        if not EngineKillingCalculator.killed:
-            import ray
-
-            EngineKillingCalculator.killed = True
-            ray.kill(ray.get_actor("rlf-engine-0"), no_restart=True)
+        _kill_engine_once(EngineKillingCalculator)
         return await super().execute(args)
+
+
+def _kill_engine_once(tool_class) -> None:
+    """Kill rollout engine rlf-engine-0 (a Ray actor) the first time `tool_class` runs in this process."""
+    if not tool_class.killed:
+        import ray
+
+        tool_class.killed = True
+        ray.kill(ray.get_actor("rlf-engine-0"), no_restart=True)
 
 
 class SlowCalculator(CalculatorTool):
@@ -86,9 +91,5 @@ class SlowEngineKillingCalculator(SlowCalculator):
     killed = False
 
     async def execute(self, args):
-        if not SlowEngineKillingCalculator.killed:
-            import ray
-
-            SlowEngineKillingCalculator.killed = True
-            ray.kill(ray.get_actor("rlf-engine-0"), no_restart=True)
+        _kill_engine_once(SlowEngineKillingCalculator)
         return await super().execute(args)
