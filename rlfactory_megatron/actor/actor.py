@@ -350,11 +350,14 @@ def _run_updates(engine: MegatronEngine, batch: RolloutBatch, epochs: int, mini_
     sums: dict[str, float] = {}
     grad_norms = []
     tokens = 0.0
+    real = computed = 0  # this rank's sequence tokens and packed positions (padding included) run
     updates = skipped = 0
     start = time.perf_counter()
     for _ in range(epochs):
         for mini in mini_batches(batch, mini_size):
             plan = _plan(mini, max_tokens)
+            real += sum(int(mini.lengths[r]) for mb in plan.micro_batches for r in mb.rows)
+            computed += len(plan.micro_batches) * plan.padded_length
             step = engine.train_step(plan, make_loss_fn(mini, plan))
             updates += 1
             if step["skipped"]:
@@ -382,10 +385,13 @@ def _run_updates(engine: MegatronEngine, batch: RolloutBatch, epochs: int, mini_
         every: list = [None] * ps.get_data_parallel_world_size()
         dist.all_gather_object(every, keys[0], group=ps.get_data_parallel_group())
         keys = [sorted(set().union(*every))]
-    values = _from_last_stages(torch.tensor([sums.get(k, 0.0) for k in keys[0]] + [tokens], dtype=torch.float64))
-    total_tokens = float(values[-1])
+    values = _from_last_stages(torch.tensor([sums.get(k, 0.0) for k in keys[0]] + [tokens, real, computed],
+                                            dtype=torch.float64))
+    total_tokens = float(values[-3])
     metrics = {k: float(v) / (updates if k.endswith(_SHARE_METRICS) else max(total_tokens, 1.0))
-               for k, v in zip(keys[0], values[:-1])}
+               for k, v in zip(keys[0], values[:-3])}
+    # What the packing saves: sequence tokens vs positions computed (all steps, all DP ranks).
+    metrics[f"{prefix}/real_tokens"], metrics[f"{prefix}/computed_tokens"] = float(values[-2]), float(values[-1])
     # Over the optimizer steps taken: a skipped one's norm is not finite (see MegatronEngine.train_step).
     metrics[f"{prefix}/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
     metrics[f"{prefix}/skipped_steps"] = float(skipped)

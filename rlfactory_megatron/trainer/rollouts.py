@@ -158,6 +158,7 @@ class Rollouts:
         rows = self.summaries
         calls = sum(r.tool_calls for r in rows)
         metrics = {"rollout/response_tokens_mean": float(np.mean([r.response_tokens for r in rows])),
+                   "rollout/response_tokens_max": float(max(r.response_tokens for r in rows)),
                    "rollout/turns_mean": float(np.mean([r.turns for r in rows])),
                    "rollout/tool_calls_per_sample": calls / len(rows),
                    "rollout/num_engines": float(len(self.engine_stats))}
