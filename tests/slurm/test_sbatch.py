@@ -11,8 +11,13 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parents[1] / "docs"))
 from blocks import block_env, workdir  # noqa: E402
+
+# One Slurm cluster (and its /etc/hosts entry) for the module: under pytest-xdist one worker runs it all.
+pytestmark = pytest.mark.xdist_group("slurm")
 
 TINY = ["trainer.total_steps=2", "trainer.sft_steps=2", "trainer.prompts_per_step=2", "rollout.n=2",
         "trainer.val_every=0", "trainer.save_every=0", "rollout.max_response_tokens=32", "tools.num_workers=1"]
