@@ -4,9 +4,14 @@ import asyncio
 import json
 import time
 
+import pytest
+
 from rlfactory_megatron.envs.agent_loop import AgentLoopConfig, run_agent_loop
 from rlfactory_megatron.envs.tool_manager import get_tool_manager
 from rlfactory_megatron.envs.tools import BaseTool, ToolBox, ToolResult, parse_tool_specs
+
+# Bounds on wall time: run alone, after the parallel part of the suite (scripts/test.sh).
+pytestmark = pytest.mark.serial
 
 SAMPLING = {"temperature": 1.0, "top_p": 0.9, "max_tokens": 200}
 

@@ -9,6 +9,9 @@ import pytest
 
 from rlfactory_megatron.envs.tools.python_sandbox import PythonTool, sandbox_support
 
+# Bounds on wall time: run alone, after the parallel part of the suite (scripts/test.sh).
+pytestmark = pytest.mark.serial
+
 
 def run(code, **limits):
     return asyncio.run(PythonTool(**limits).run({"code": code}))

@@ -11,6 +11,9 @@ from rlfactory_megatron.envs.tool_manager import truncate_observation
 from rlfactory_megatron.envs.tool_pool import ToolActor, ToolPool, ToolPoolConfig
 from rlfactory_megatron.envs.tools import BaseTool, ToolResult, ToolSpec
 
+# Bounds on wall time: run alone, after the parallel part of the suite (scripts/test.sh).
+pytestmark = pytest.mark.serial
+
 FAULTS = [ToolSpec(f"rlf_fault_tools.{cls}") for cls in ("RaisingTool", "HangingTool", "HugeOutputTool", "SlowTool", "CrashingTool")]
 
 

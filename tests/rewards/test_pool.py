@@ -7,6 +7,9 @@ import pytest
 from rlfactory_megatron.rewards import RewardConfigError, RewardFnSpec, RewardSample, build_reward_manager
 from rlfactory_megatron.rewards.pool import RewardPool, pack_samples, unpack_samples
 
+# Bounds on wall time: run alone, after the parallel part of the suite (scripts/test.sh).
+pytestmark = pytest.mark.serial
+
 TIMEOUT_S = 1.5
 
 

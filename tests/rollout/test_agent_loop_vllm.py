@@ -26,7 +26,8 @@ from rlfactory_megatron.models.tiny_tokenizer import QWEN_TEMPLATE, train_chat_t
 from rlfactory_megatron.rollout.async_engine import AsyncBatchingEngine, sampling_config
 from rlfactory_megatron.rollout.engines import Generation
 
-pytestmark = pytest.mark.slow
+# Bounds on wall time: run alone, after the parallel part of the suite (scripts/test.sh).
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 CALL_JSON = '{"name": "calculator", "arguments": {"expression": "12*7"}}'
 ANSWER = "The answer is 84."

@@ -17,7 +17,7 @@ NODES = ("n1", "n2")
 HOSTS_LINE = "127.0.0.1 " + " ".join(NODES) + "  # rlfactory-megatron slurm test"
 
 
-def _free_ports(count: int) -> list[int]:
+def free_ports(count: int) -> list[int]:
     socks = [socket.socket() for _ in range(count)]
     for s in socks:
         s.bind(("127.0.0.1", 0))
@@ -70,7 +70,7 @@ class SlurmCluster:
              f"--pid-file={munge / 'munged.pid'}", f"--log-file={munge / 'munged.log'}",
              f"--seed-file={munge / 'munged.seed'}"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
         self._wait(lambda: socket_path.exists(), "munged's socket")
-        ctl, *node_ports = _free_ports(1 + len(NODES))
+        ctl, *node_ports = free_ports(1 + len(NODES))
         memory_mb = 4096
         nodes = "\n".join(f"NodeName={n} NodeHostname=localhost NodeAddr=127.0.0.1 Port={p} "
                           f"CPUs={self.cpus_per_node} RealMemory={memory_mb} State=UNKNOWN"
@@ -130,7 +130,11 @@ PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=U
 
     def sbatch(self, *args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 900):
         """`sbatch --wait ...`: returns when the job ends, with its exit status as the return code."""
-        return subprocess.run(["sbatch", "--wait", *args], cwd=cwd, env={**self.env(), **(env or {})},
+        env = {**self.env(), **(env or {})}
+        # The templates' default port (20000 + job id) may be held by another test's process on
+        # this one host; a free one keeps the jobs apart (a cluster's nodes run one job each).
+        env.setdefault("MASTER_PORT", str(free_ports(1)[0]))
+        return subprocess.run(["sbatch", "--wait", *args], cwd=cwd, env=env,
                               capture_output=True, text=True, timeout=timeout)
 
     def squeue(self) -> str:

@@ -16,6 +16,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parents[1] / "docs"))
 from blocks import block_env, workdir  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).parent))
+from cluster import free_ports  # noqa: E402
+
 # One Slurm cluster (and its /etc/hosts entry) for the module: under pytest-xdist one worker runs it all.
 pytestmark = pytest.mark.xdist_group("slurm")
 
@@ -72,7 +75,7 @@ def _rank_pid(job: str, rank: int) -> int | None:
 
 def test_killed_rank_ends_the_job_non_zero(slurm, tmp_path):
     work = workdir(tmp_path)
-    env = {**slurm.env(), **block_env(tmp_path)}
+    env = {**slurm.env(), **block_env(tmp_path), "MASTER_PORT": str(free_ports(1)[0])}  # as slurm.sbatch does
     args = [*TINY, "trainer.total_steps=50", "trainer.output_dir=outputs/killed"]
     submitted = subprocess.run(["sbatch", "--parsable", "--nodes=2", *CPU_NODES, "slurm/train.sbatch", *args],
                                cwd=work, env=env, capture_output=True, text=True, check=True)

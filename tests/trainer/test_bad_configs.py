@@ -13,6 +13,9 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from rlf_train_cli import BIN, env_for  # noqa: E402
 
+# Bounds on wall time: run alone, after the parallel part of the suite (scripts/test.sh).
+pytestmark = pytest.mark.serial
+
 REWARD_FN = "def compute_score(data_source, solution_str, ground_truth, extra_info):\n    return 1.0\n"
 WRONG_SIGNATURE = "def compute_score(text):\n    return 1.0\n"
 

@@ -8,8 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(__file__))
 from rlf_train_cli import BIN, env_for, records  # noqa: E402
+
+# Bounds on wall time: run alone, after the parallel part of the suite (scripts/test.sh).
+pytestmark = pytest.mark.serial
 
 FAULTS = Path(__file__).parent / "faults"
 

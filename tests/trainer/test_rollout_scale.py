@@ -15,7 +15,7 @@ from rlf_train_cli import (  # noqa: E402
 # and the engines' log-probs are compared with them (rollout/logprob_gap_max) at every step.
 RUN = ("trainer.total_steps=3", "trainer.save_every=0", "actor.mini_batch_size=2", "trainer.val_every=3")
 # Per engine or DP rank, or (computed_tokens) each DP rank's micro-batches padded to their own longest.
-LAYOUT_KEYS = ("rollout/engine_", "rollout/num_engines", "train/dp_", "_computed_tokens")
+LAYOUT_KEYS = ("rollout/engine_", "rollout/num_engines", "train/dp_", "/computed_tokens")
 
 
 def _assert_every_engine_generated(run_records, engines: int):
