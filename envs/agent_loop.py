@@ -1,5 +1,10 @@
 """Multi-turn agent loop, one coroutine per sample: generate -> parse -> run tool calls concurrently ->
-append observation tokens (loss_mask 0) -> generate, until an answer, `max_turns` or the token budget."""
+append observation tokens (loss_mask 0) -> generate, until an answer, `max_turns` or the token budget.
+
+Each sample takes its next turn as soon as its own tool results are back, so one sample's tool
+latency overlaps the others' generation. A `TurnBarrier` shared by a batch's loops instead holds
+the turns in lock-step (every sample generates turn k, then all run their tools, then turn k + 1:
+how RL-Factory and other batch-synchronous agent loops run), for comparison (`tools.turn_schedule`)."""
 from __future__ import annotations
 
 import asyncio
@@ -62,6 +67,34 @@ class Trajectory:
         return self.turns[-1].content if self.turns else ""
 
 
+class TurnBarrier:
+    """Lock-step turns across the loops of a batch: a loop waits at each phase boundary (its turn
+    generated; its tool results back) until every loop still running has reached it. A loop that
+    ends leaves, so the others never wait for it."""
+
+    def __init__(self, parties: int):
+        self.parties = parties
+        self.arrived = 0
+        self.released = asyncio.Event()
+
+    async def wait(self) -> None:
+        self.arrived += 1
+        released = self.released
+        if self.arrived >= self.parties:
+            self._release()
+        else:
+            await released.wait()
+
+    def leave(self) -> None:
+        self.parties -= 1
+        if self.parties > 0 and self.arrived >= self.parties:
+            self._release()
+
+    def _release(self) -> None:
+        self.released.set()
+        self.released, self.arrived = asyncio.Event(), 0
+
+
 async def run_agent_loop(
     prompt_ids: list[int],
     engine: RolloutEngine,
@@ -69,8 +102,18 @@ async def run_agent_loop(
     run_tool: RunTool,
     sampling: dict[str, Any],
     config: AgentLoopConfig,
+    barrier: TurnBarrier | None = None,
 ) -> Trajectory:
-    """Roll out one sample. `run_tool` is `ToolPool.call` (Ray) or `ToolBox.run` (in process)."""
+    """Roll out one sample. `run_tool` is `ToolPool.call` (Ray) or `ToolBox.run` (in process);
+    `barrier` (shared by the batch's loops) holds the turns in lock-step."""
+    try:
+        return await _roll_out(prompt_ids, engine, manager, run_tool, sampling, config, barrier)
+    finally:
+        if barrier is not None:
+            barrier.leave()
+
+
+async def _roll_out(prompt_ids, engine, manager, run_tool, sampling, config, barrier) -> Trajectory:
     traj = Trajectory(list(prompt_ids), [], [], [], [], stop_reason="max_turns")
     for turn_index in range(config.max_turns):
         budget = config.max_response_tokens - len(traj.response_ids)
@@ -99,7 +142,11 @@ async def run_agent_loop(
         if len(traj.response_ids) >= config.max_response_tokens:
             traj.stop_reason = "token_budget"
             break
+        if barrier is not None:
+            await barrier.wait()  # every running sample has generated this turn
         turn.tool_calls, turn.tools_s = await _run_calls(parsed.tool_calls, run_tool, manager, config)
+        if barrier is not None:
+            await barrier.wait()  # every running sample has its tool results
         observations = [c.observation for c in turn.tool_calls] + [f"error: {e}" for e in parsed.errors]
         obs_ids = manager.render_observation(observations)
         if not manager.ends_turn(text):

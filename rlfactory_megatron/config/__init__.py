@@ -19,6 +19,7 @@ CHOICES: dict[str, tuple] = {
     "trainer.sft_lr_decay_style": ("constant", "linear", "cosine"),
     "rollout.mode": ("colocated", "disaggregated"),
     "tools.channel": ("auto", "unix", "tcp"),
+    "tools.turn_schedule": ("per_sample", "lockstep"),
 }
 POSITIVE_INTS = ("parallel.tp", "parallel.pp", "rollout.n", "rollout.tp", "actor.ppo_epochs",
                  "actor.mini_batch_size", "actor.max_tokens_per_microbatch", "trainer.total_steps",

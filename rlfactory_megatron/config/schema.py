@@ -108,6 +108,9 @@ class ToolsConfig:
     format: str = "qwen3"  # qwen3 | qwen2_5 | llama3
     config_path: Optional[str] = None  # YAML file declaring tools
     max_turns: int = 4  # policy turns per trajectory
+    # per_sample: each trajectory takes its next turn as soon as its tool results are back; lockstep:
+    # every trajectory of the batch generates turn k, then all run their tools, then turn k + 1
+    turn_schedule: str = "per_sample"
     tool_response_max_tokens: int = 256  # an observation longer than this is truncated with a marker
     call_timeout_s: float = 10.0  # a call running longer is that call's timeout error
     num_workers: int = 2  # Ray actors running the tools

@@ -8,7 +8,7 @@ from pathlib import Path
 from rlfactory_megatron.models.tiny import make_tiny_hf_model
 
 TINY_SCHEME = "tiny://"
-TINY_VERSION = "v4"  # bump when the tiny model or tokenizer recipe changes
+TINY_VERSION = "v5"  # bump when the tiny model or tokenizer recipe changes
 TINY_VOCAB_SIZE = 768  # the tokenizer's merges run out below it on the built-in task's text
 
 

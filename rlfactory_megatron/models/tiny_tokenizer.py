@@ -8,7 +8,9 @@ SPECIAL_TOKENS = [
 ]
 
 # Written after the shape of Qwen2.5/Qwen3's template: tools listed in the system
-# turn, tool results grouped into one user turn of <tool_response> blocks.
+# turn, an assistant message's structured `tool_calls` rendered as <tool_call> blocks after its
+# content (how TRL and HF chat code hand calls back), tool results grouped into one user turn of
+# <tool_response> blocks.
 QWEN_TEMPLATE = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\n' }}"
@@ -28,7 +30,16 @@ QWEN_TEMPLATE = (
     "{{- '\n<tool_response>\n' + m.content + '\n</tool_response>' }}"
     "{%- if loop.last or loop.nextitem.role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}"
     "{%- elif m.role != 'system' %}"
-    "{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}"
+    "{{- '<|im_start|>' + m.role + '\n' + m.content }}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}"
+    "{%- for call in m.tool_calls %}"
+    "{%- set call = call.function if call.function is defined else call %}"
+    "{%- if m.content or not loop.first %}{{- '\n' }}{%- endif %}"
+    "{{- '<tool_call>\n{\"name\": \"' + call.name + '\", \"arguments\": ' }}"
+    "{{- (call.arguments if call.arguments is string else call.arguments | tojson) + '}\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{%- endif %}"
+    "{{- '<|im_end|>\n' }}"
     "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"

@@ -483,7 +483,7 @@ class RolloutPlane:
 
     async def _generate(self, pending: PendingRollout):
         """This process's rows of a phase: (trajectories + text, summaries, engine stats, token versions)."""
-        from rlfactory_megatron.envs.agent_loop import AgentLoopConfig, run_agent_loop
+        from rlfactory_megatron.envs.agent_loop import AgentLoopConfig, TurnBarrier, run_agent_loop
 
         records, step, greedy, first_row = pending.records, pending.step, pending.greedy, pending.first_row
         n = 1 if greedy else self.cfg.rollout.n
@@ -504,9 +504,11 @@ class RolloutPlane:
         sessions = {row: self.router.session() for row in mine}  # each trajectory stays on one engine
         engines = self.router.engines
         before = [(engine.requests, engine.busy_s) for engine in engines]
+        barrier = TurnBarrier(len(mine)) if cfg.tools.turn_schedule == "lockstep" else None
         trajectories = await asyncio.gather(*(
             run_agent_loop(prompts[row // n], sessions[row], self.manager, run_tool,
-                           sampling if greedy else {**sampling, "seed": self.sample_seed(step, first_row + row)}, loop_cfg)
+                           sampling if greedy else {**sampling, "seed": self.sample_seed(step, first_row + row)},
+                           loop_cfg, barrier)
             for row in mine))
         local, summaries, versions = {}, [], {}
         generated = [0] * len(engines)

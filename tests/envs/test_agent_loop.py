@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from rlfactory_megatron.envs.agent_loop import AgentLoopConfig, run_agent_loop
+from rlfactory_megatron.envs.agent_loop import AgentLoopConfig, TurnBarrier, run_agent_loop
 from rlfactory_megatron.envs.tool_manager import get_tool_manager
 from rlfactory_megatron.envs.tools import BaseTool, ToolBox, ToolResult, parse_tool_specs
 
@@ -145,6 +145,106 @@ def test_a_slow_tool_delays_only_its_own_sample(qwen_tokenizer):
     (slow_traj, slow_s), *fast = asyncio.run(batch())
     assert slow_s >= 1.0 and slow_traj.final_content == "late"
     assert all(s < 0.5 and t.stop_reason == "answer" for t, s in fast)
+
+
+def _logged_batch(tokenizer, scripts, lockstep):
+    """Run one loop per script (a list of (generation delay, reply) per turn) with a shared event log:
+    ("generate", sample, turn) when a turn's request reaches the engine, ("generated", ...) when it is
+    answered, ("tool", sample, turn) when its tool call starts."""
+    log = []
+    manager = get_tool_manager("qwen3", tokenizer)
+
+    class LoggingTool(BaseTool):
+        name, description = "note", "Record a call."
+
+        async def execute(self, args):
+            log.append(("tool", args["sample"], args["turn"]))
+            await asyncio.sleep(0.01)
+            return ToolResult("ok")
+
+    box = toolbox(extra_tools=[LoggingTool()])
+    prompt = manager.render_prompt([{"role": "user", "content": "hi"}], box.schemas())
+
+    class DelayedEngine:
+        def __init__(self, index, script):
+            self.index, self.script, self.turn = index, list(script), 0
+
+        async def generate(self, prompt_token_ids, sampling):
+            log.append(("generate", self.index, self.turn))
+            delay, reply = self.script.pop(0)
+            self.turn += 1
+            await asyncio.sleep(delay)
+            log.append(("generated", self.index, self.turn - 1))
+            ids = tokenizer.encode(reply, add_special_tokens=False)
+            return ids, [-0.5] * len(ids)
+
+    async def batch():
+        barrier = TurnBarrier(len(scripts)) if lockstep else None
+        return await asyncio.gather(*(run_agent_loop(prompt, DelayedEngine(i, script), manager, box.run, SAMPLING,
+                                                     AgentLoopConfig(max_turns=5), barrier)
+                                      for i, script in enumerate(scripts)), return_exceptions=True)
+
+    return asyncio.run(asyncio.wait_for(batch(), 30)), log
+
+
+def _tool_turns(sample, delays):
+    """A script of one tool-calling turn per delay, then an answer."""
+    return [(d, call("note", sample=sample, turn=t) + "<|im_end|>") for t, d in enumerate(delays)] + [(0.0, "done<|im_end|>")]
+
+
+def test_lockstep_turns_wait_for_every_running_sample_and_per_sample_turns_do_not(qwen_tokenizer):
+    # Sample 0 is slow to generate; sample 1 is quick and takes 3 tool turns; sample 2 answers at once.
+    scripts = [_tool_turns(0, [0.3]), _tool_turns(1, [0.0, 0.0, 0.0]), [(0.0, "done<|im_end|>")]]
+    results, log = _logged_batch(qwen_tokenizer, scripts, lockstep=True)
+    assert [t.stop_reason for t in results] == ["answer"] * 3
+    assert [len(t.turns) for t in results] == [2, 4, 1]
+    position = {event: i for i, event in enumerate(log)}
+    for turn in range(3):
+        running = [i for i in (0, 1) if ("tool", i, turn) in position]
+        # every running sample's turn was generated before any of them ran its tool ...
+        assert max(position[("generated", i, turn)] for i in running) < min(position[("tool", i, turn)] for i in running)
+        # ... and every tool call of the turn started before the next turn's first request
+        later = [position[("generate", i, turn + 1)] for i in running]
+        assert max(position[("tool", i, turn)] for i in running) < min(later)
+    # Per sample: the quick sample is done with its three tool turns while the slow one still generates its first.
+    results, log = _logged_batch(qwen_tokenizer, scripts, lockstep=False)
+    assert [len(t.turns) for t in results] == [2, 4, 1]
+    assert log.index(("generate", 1, 3)) < log.index(("tool", 0, 0))
+
+
+def test_lockstep_survives_a_sample_that_fails(qwen_tokenizer):
+    class Broken(Exception):
+        pass
+
+    scripts = [_tool_turns(0, [0.0, 0.0]), [(0.0, "done<|im_end|>")], _tool_turns(2, [0.1])]
+    manager = get_tool_manager("qwen3", qwen_tokenizer)
+    box = toolbox()
+    prompt = manager.render_prompt([{"role": "user", "content": "hi"}], box.schemas())
+
+    class FailingEngine:
+        async def generate(self, prompt_token_ids, sampling):
+            await asyncio.sleep(0.05)
+            raise Broken("engine lost")
+
+    class Engine:
+        def __init__(self, replies):
+            self.replies = list(replies)
+
+        async def generate(self, prompt_token_ids, sampling):
+            await asyncio.sleep(0.01)
+            ids = qwen_tokenizer.encode(self.replies.pop(0), add_special_tokens=False)
+            return ids, [-0.5] * len(ids)
+
+    async def batch():
+        barrier = TurnBarrier(3)
+        engines = [Engine([call("calculator", expression="1+1") + "<|im_end|>"] * 2 + ["done<|im_end|>"]),
+                   FailingEngine(), Engine(["done<|im_end|>"])]
+        return await asyncio.gather(*(run_agent_loop(prompt, e, manager, box.run, SAMPLING, AgentLoopConfig(), barrier)
+                                      for e in engines), return_exceptions=True)
+
+    first, failed, last = asyncio.run(asyncio.wait_for(batch(), 30))  # no hang: the failed loop left the barrier
+    assert isinstance(failed, Broken)
+    assert len(first.turns) == 3 and first.stop_reason == "answer" and last.stop_reason == "answer"
 
 
 def test_loop_through_the_ray_pool_survives_a_hung_tool(qwen_tokenizer, ray_session):
