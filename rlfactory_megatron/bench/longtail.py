@@ -31,24 +31,40 @@ def geometric_length(rng: random.Random, mean: float, limit: int) -> int:
 
 
 def _examples(tokenizer, prompts: list[list[dict]], count: int, mean: float, limit: int, seed: int):
-    """(token ids, first answer position) pairs: a prompt, a geometric-length answer, end of turn."""
+    """(token ids, trained mask) pairs: a prompt (not trained), a geometric-length answer, end of turn."""
     rng = random.Random(seed)
     out = []
     for index in range(count):
         prompt = tokenizer.apply_chat_template(prompts[index % len(prompts)], add_generation_prompt=True,
                                                tokenize=True, return_dict=True)["input_ids"]
-        length = geometric_length(rng, mean, limit)
-        words: list[int] = []
-        while len(words) < length - 1:
-            words += tokenizer.encode(" " + " ".join(rng.choice(FILLER) for _ in range(16)), add_special_tokens=False)
-        out.append((list(prompt) + words[:length - 1] + [tokenizer.eos_token_id], len(prompt)))
+        answer = filler_ids(tokenizer, rng, geometric_length(rng, mean, limit) - 1) + [tokenizer.eos_token_id]
+        out.append((list(prompt) + answer, [0] * len(prompt) + [1] * len(answer)))
     return out
+
+
+def filler_ids(tokenizer, rng: random.Random, length: int) -> list[int]:
+    """`length` tokens of filler words."""
+    words: list[int] = []
+    while len(words) < length:
+        words += tokenizer.encode(" " + " ".join(rng.choice(FILLER) for _ in range(16)), add_special_tokens=False)
+    return words[:length]
 
 
 def make_longtail_model(hf_dir: str | Path, prompts: list[list[dict]], mean: float = 64.0, limit: int = 512,
                         steps: int = 300, batch: int = 32, lr: float = 3e-3, seed: int = 0,
                         cache: Path | None = None, verbose: bool = True) -> Path:
     """A copy of the HF model at `hf_dir` taught the long-tailed answer lengths; returns its folder."""
+    recipe = {"prompts": prompts, "mean": mean, "limit": limit, "version": 1}
+    return teach(hf_dir, "longtail", recipe,
+                 lambda tokenizer: _examples(tokenizer, prompts, steps * batch, mean, limit, seed),
+                 steps=steps, batch=batch, lr=lr, seed=seed, cache=cache, verbose=verbose)
+
+
+def teach(hf_dir: str | Path, name: str, recipe: dict, make_examples, steps: int, batch: int, lr: float,
+          seed: int, cache: Path | None = None, verbose: bool = True) -> Path:
+    """A copy of the HF model at `hf_dir` trained on `make_examples(tokenizer)` ((token ids, trained
+    mask) pairs, `batch` per step), cached under `cache` (default <cache root>/<name>) by the model's
+    files and the recipe; returns its folder."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -56,10 +72,10 @@ def make_longtail_model(hf_dir: str | Path, prompts: list[list[dict]], mean: flo
 
     # Keyed by the model's files, not its folder: a tiny model rebuilt elsewhere is the same model.
     files = sorted(p for p in Path(hf_dir).iterdir() if p.is_file())
-    recipe = {"model": hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in files)).hexdigest(), "prompts": prompts, "mean": mean, "limit": limit,
-              "steps": steps, "batch": batch, "lr": lr, "seed": seed, "version": 1}
+    recipe = {**recipe, "model": hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in files)).hexdigest(),
+              "steps": steps, "batch": batch, "lr": lr, "seed": seed}
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
-    target = (cache or cache_root() / "longtail") / key
+    target = (cache or cache_root() / name) / key
     if (target / "config.json").is_file():
         return target
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
@@ -67,17 +83,17 @@ def make_longtail_model(hf_dir: str | Path, prompts: list[list[dict]], mean: flo
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    examples = _examples(tokenizer, prompts, steps * batch, mean, limit, seed)
+    examples = make_examples(tokenizer)
     start = time.perf_counter()
     for step in range(steps):
         chunk = examples[step * batch:(step + 1) * batch]
         width = max(len(ids) for ids, _ in chunk)
         ids = torch.zeros(len(chunk), width, dtype=torch.long)
-        labels = torch.full((len(chunk), width), -100, dtype=torch.long)  # the prompt and padding are not trained
+        labels = torch.full((len(chunk), width), -100, dtype=torch.long)  # untrained tokens and padding
         attention = torch.zeros(len(chunk), width, dtype=torch.long)
-        for row, (tokens, answer_from) in enumerate(chunk):
+        for row, (tokens, trained) in enumerate(chunk):
             ids[row, :len(tokens)] = torch.tensor(tokens)
-            labels[row, answer_from:len(tokens)] = torch.tensor(tokens[answer_from:])
+            labels[row, :len(tokens)] = torch.where(torch.tensor(trained, dtype=torch.bool), torch.tensor(tokens), -100)
             attention[row, :len(tokens)] = 1
         loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
         optimizer.zero_grad()
@@ -87,7 +103,7 @@ def make_longtail_model(hf_dir: str | Path, prompts: list[list[dict]], mean: flo
         done = step + 1
         if verbose and (done % 50 == 0 or done == steps):
             elapsed = time.perf_counter() - start
-            print(f"longtail SFT {done}/{steps} | loss {loss.item():.3f} | {done / elapsed:.2f} steps/s "
+            print(f"{name} SFT {done}/{steps} | loss {loss.item():.3f} | {done / elapsed:.2f} steps/s "
                   f"| ETA {int(elapsed / done * (steps - done))}s", flush=True)
     # Build beside, then rename: a concurrent run never loads a half-written model.
     staging = target.with_name(f".{key}.{os.getpid()}")

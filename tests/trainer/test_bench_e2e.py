@@ -64,3 +64,28 @@ def test_bench_e2e_longtail_workload(tmp_path):
     assert report["ours"]["generate_tokens"]["real_share"] == 1.0
     assert report["ours"]["update_tokens"]["computed_per_step"] <= report["ours"]["update_tokens"]["real_per_step"] + 8
     assert "real /" in run.stdout and "--workload longtail" in run.stdout
+
+
+@pytest.mark.slow
+def test_bench_e2e_tools_workload(tmp_path):
+    """--workload tools teaches the model calculator calls, then runs TRL's GRPOTrainer(tools=...)
+    and ours per sample and in lock-step: both sides call the tool, and ours reports the
+    per-sample/lock-step ratio."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", RLF_CACHE_HOME=str(tmp_path / "cache"))
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "RAY_ADDRESS"):
+        env.pop(var, None)
+    out = tmp_path / "e2e.json"
+    args = ["e2e", "--workload", "tools", "--teach-steps", "60", "--turn-mean", "2", "--prompts", "2", "--n", "2",
+            "--max-tokens", "64", "--warmup", "0", "--steps", "1", "--target", "0", "--lockstep-target", "0",
+            "--out", str(out)]
+    run = subprocess.run([str(BIN / "rlf-bench"), *args], capture_output=True, text=True, env=env, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["settings"]["workload"] == "tools" and report["settings"]["max_turns"] == 4
+    assert len(list((tmp_path / "cache" / "tools").glob("*/config.json"))) == 1
+    lockstep = report["lockstep"]["ours_lockstep"]
+    for side in (report["ours"], report["trl"], lockstep):
+        assert side["tool_calls_per_sample"] > 0, "the taught model calls the calculator on both sides"
+        assert 0 < side["longest_completion_max"] <= 64
+    assert report["lockstep"]["ratio_tokens_per_s"] == report["ours"]["tokens_per_s"] / lockstep["tokens_per_s"]
+    assert "ratio per-sample/lock-step" in run.stdout and "tool calls per sample" in run.stdout
