@@ -19,7 +19,7 @@ RunTool = Callable[[str, dict[str, Any]], Awaitable[ToolResult]]
 
 
 class RolloutEngine(Protocol):
-    """Served from a batched engine (e.g. vLLM) by `rlfactory_megatron.rollout.async_engine.AsyncBatchingEngine`."""
+    """Served from a batched engine (e.g. vLLM) by `rlfactory_megatron.rollout.async_engine.serving`."""
 
     async def generate(self, prompt_token_ids: list[int], sampling: dict[str, Any]) -> tuple[list[int], list[float]]: ...
 

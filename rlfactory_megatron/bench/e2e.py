@@ -73,6 +73,7 @@ class SideResult:
     update_computed: list[float] = field(default_factory=list)
     longest_completion: list[float] = field(default_factory=list)
     tool_calls_per_sample: list[float] = field(default_factory=list)  # per timed step (tools workload)
+    engine_steps: list[float] = field(default_factory=list)  # per timed step: forward passes of a streaming engine
 
     def summary(self, rest: str = "other") -> dict:
         """Means per timed step; `rest` names the step time outside the timed phases."""
@@ -94,6 +95,8 @@ class SideResult:
             out["longest_completion_max"] = max(self.longest_completion)
         if self.tool_calls_per_sample:
             out["tool_calls_per_sample"] = sum(self.tool_calls_per_sample) / len(self.tool_calls_per_sample)
+        if self.engine_steps:
+            out["engine_steps_per_step"] = sum(self.engine_steps) / len(self.engine_steps)
         if self.phase_s:
             phases = {**self.phase_s, rest: max(wall - sum(self.phase_s.values()), 0.0)}
             out["phase_s"] = {k: v / len(self.step_s) for k, v in phases.items()}
@@ -227,12 +230,16 @@ def _run_ours_rank(config_file: str, hf_dir: str, warmup: int) -> SideResult:
     trainer = None
     try:
         trainer = Trainer(cfg, hf_dir)
+        engines = trainer.plane.router.engines if trainer.plane.router is not None else []
+        stepped = lambda: sum(getattr(engine, "steps", 0) for engine in engines)  # noqa: E731
         for step in range(cfg.trainer.total_steps):
-            start = time.perf_counter()
+            start, steps_before = time.perf_counter(), stepped()
             metrics = trainer.step()
             wall = time.perf_counter() - start
             if step < warmup:
                 continue
+            if any(hasattr(engine, "steps") for engine in engines):
+                result.engine_steps.append(stepped() - steps_before)
             rows = cfg.trainer.prompts_per_step * cfg.rollout.n
             result.step_s.append(wall)
             result.tokens.append(metrics["perf/tokens_per_s"] * metrics["perf/step_s"])  # prompt + completion
@@ -327,6 +334,9 @@ def _print_report(report: dict) -> None:
         print(f"    ratio per-sample/lock-step: {lockstep['ratio_tokens_per_s']:.2f}x tokens/s, "
               f"{lockstep['ratio_generate_s']:.2f}x faster generate phase "
               f"(target >= {lockstep['target']:.1f}x tokens/s: {'met' if lockstep['target_met'] else 'NOT met'})")
+        if "engine_steps_per_step" in ours and "engine_steps_per_step" in side:
+            print(f"    engine forward passes per rollout: per-sample {ours['engine_steps_per_step']:.0f}, "
+                  f"lock-step {side['engine_steps_per_step']:.0f} ({side['engine_steps_per_step'] / max(ours['engine_steps_per_step'], 1):.2f}x)")
     if "async" in report:
         runs = report["async"]
         print("  disaggregated engine, synchronous vs asynchronous (trainer.max_staleness=1):")

@@ -18,10 +18,10 @@ import time
 
 def _generate(engines, prompts: list[list[int]], max_tokens: int, seed: int) -> dict:
     """All prompts at once through a router over `engines`: tokens/s and each engine's busy time."""
-    from rlfactory_megatron.rollout.async_engine import AsyncBatchingEngine
+    from rlfactory_megatron.rollout.async_engine import serving
     from rlfactory_megatron.rollout.router import EngineRouter
 
-    router = EngineRouter([AsyncBatchingEngine(engine) for engine in engines])
+    router = EngineRouter([serving(engine) for engine in engines])
     sampling = {"temperature": 1.0, "max_tokens": max_tokens}
 
     async def run():

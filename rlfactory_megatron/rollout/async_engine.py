@@ -1,9 +1,17 @@
-"""Per-request asyncio generation over a batched rollout engine: concurrent agent-loop coroutines
-are gathered for a short window (or until `max_batch` wait) and served by one batched call."""
+"""Per-request asyncio generation (`await generate(prompt, sampling)`) over a rollout engine.
+
+`StreamingEngine` serves an engine that steps (vLLM's in-process engine): a request joins the
+running batch at the next engine step and its caller resumes the moment it finishes, so one
+trajectory's tool call overlaps the others' decoding. `AsyncBatchingEngine` serves an engine that
+only takes whole batches (a Ray-hosted one): requests gathered in a short window form one call,
+which lasts as long as its longest request. `serving(engine)` picks the one the engine allows.
+"""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +33,13 @@ def sampling_config(sampling: dict[str, Any]) -> SamplingConfig:
         if key in values:
             values[key] = tuple(values[key] or ())
     return SamplingConfig(**values)
+
+
+def serving(engine, window_s: float = 0.01):
+    """The asyncio front of `engine`: streaming where the engine can step, batched otherwise."""
+    if all(callable(getattr(engine, name, None)) for name in ("submit", "step", "abort")):
+        return StreamingEngine(engine, window_s=window_s)
+    return AsyncBatchingEngine(engine, window_s=window_s)
 
 
 @dataclass
@@ -125,3 +140,119 @@ def _group_by_sampling(batch: list[_Request]) -> list[list[_Request]]:
     for request in batch:
         groups.setdefault(dataclasses.replace(request.sampling, max_tokens=0, seed=None), []).append(request)
     return list(groups.values())
+
+
+class StreamingEngine:
+    """`await generate(prompt_token_ids, sampling_dict) -> (token_ids, log_probs)` on an engine that
+    takes requests one by one (`submit`) and runs them in steps (`step` -> the finished ones).
+
+    One task steps the engine in a worker thread while any request runs (the event loop keeps
+    running tools meanwhile); requests that arrive during a step join at the next one, and each
+    caller resumes when its own request finishes, not when a batch does. An idle engine waits
+    `window_s` after the first arrival, so that a batch's first turns start in one step. A caller
+    cancelled meanwhile has its request aborted in the engine.
+    """
+
+    def __init__(self, engine, window_s: float = 0.01):
+        self.engine = engine
+        self.window_s = window_s
+        self.steps = 0  # engine steps made
+        self.requests = 0  # requests finished
+        self.busy_s = 0.0  # wall time with at least one request in the engine
+        self._ids = (f"rlf-{n}" for n in itertools.count())
+        self._arrivals: list[tuple[str, _Request]] = []  # submitted at the next step
+        self._running: dict[str, _Request] = {}  # in the engine
+        self._orphans: list[str] = []  # in the engine, their callers' event loop gone: aborted next step
+        self._arrived: asyncio.Event | None = None
+        self._worker: asyncio.Task | None = None
+        self._step: asyncio.Future | None = None  # the engine step under way, if any
+        # A thread of its own: the loop's default executor also runs tools' blocking calls.
+        self._thread: concurrent.futures.ThreadPoolExecutor | None = None
+
+    async def generate(self, prompt_token_ids: list[int], sampling: dict[str, Any]) -> tuple[list[int], list[float]]:
+        config = sampling_config(sampling)  # bad keys fail in the caller, not in the engine
+        if self._worker is None or self._worker.done():
+            # First call, or the previous event loop is gone (and with it its waiting callers).
+            self._orphans += list(self._running)
+            self._arrivals, self._running = [], {}
+            self._arrived = asyncio.Event()
+            self._worker = asyncio.create_task(self._serve())
+        request = _Request(list(prompt_token_ids), config, asyncio.get_running_loop().create_future())
+        self._arrivals.append((next(self._ids), request))
+        self._arrived.set()
+        return await request.done
+
+    async def close(self) -> None:
+        """Stop stepping (the wrapped engine stays open; its owner closes it); waiting callers are cancelled."""
+        if self._worker is not None:
+            self._worker.cancel()
+            await asyncio.gather(self._worker, return_exceptions=True)
+            self._worker = None
+        if self._step is not None:  # a step in its thread cannot be cancelled: let it end first
+            await asyncio.gather(self._step, return_exceptions=True)
+            self._step = None
+        stale = list(self._running) + self._orphans
+        if stale:
+            await asyncio.to_thread(self.engine.abort, stale)
+        if self._thread is not None:
+            self._thread.shutdown(wait=False)
+            self._thread = None
+        for request in [r for _, r in self._arrivals] + list(self._running.values()):
+            request.done.cancel()
+        self._arrivals, self._running, self._orphans = [], {}, []
+
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._running:
+                self._arrived.clear()
+                if not self._arrivals:
+                    await self._arrived.wait()
+                await asyncio.sleep(self.window_s)
+            arrivals, self._arrivals = self._arrivals, []
+            cancelled = [rid for rid, request in self._running.items() if request.done.cancelled()]
+            aborted, self._orphans = cancelled + self._orphans, []
+            for rid in cancelled:
+                del self._running[rid]
+            self._running.update(arrivals)
+            if self._thread is None:
+                self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rlf-engine-step")
+            started = time.perf_counter()
+            self._step = loop.run_in_executor(self._thread, self._advance, arrivals, aborted)
+            try:
+                refused, finished = await asyncio.shield(self._step)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # every running caller sees the engine's failure
+                for request in self._running.values():
+                    if not request.done.done():
+                        request.done.set_exception(exc)
+                self._orphans, self._running = list(self._running), {}
+                continue
+            finally:
+                self.busy_s += time.perf_counter() - started
+            self._step = None
+            self.steps += 1
+            for rid, exc in refused:  # a request the engine would not take fails alone
+                request = self._running.pop(rid)
+                if not request.done.done():
+                    request.done.set_exception(exc)
+            for rid, generation in finished:
+                request = self._running.pop(rid, None)
+                if request is None:
+                    continue
+                self.requests += 1
+                if not request.done.done():  # its caller may have been cancelled meanwhile
+                    request.done.set_result((list(generation.token_ids), list(generation.log_probs)))
+
+    def _advance(self, arrivals: list[tuple[str, _Request]], aborted: list[str]):
+        """In the step thread, the engine's only caller while it runs: (refused, finished)."""
+        if aborted:
+            self.engine.abort(aborted)
+        refused = []
+        for rid, request in arrivals:
+            try:
+                self.engine.submit(rid, request.prompt, request.sampling)
+            except Exception as exc:  # noqa: BLE001 - e.g. a prompt over the engine's length: its caller's error
+                refused.append((rid, exc))
+        return refused, self.engine.step()

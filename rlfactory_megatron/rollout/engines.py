@@ -146,7 +146,6 @@ class VLLMEngine:
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig,
                  seeds: list[int | None] | None = None) -> list[list[Generation]]:
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         params = []
@@ -156,21 +155,30 @@ class VLLMEngine:
             else:  # a distinct seed per request: equal prompts must not produce equal samples
                 seed = None if sampling.seed is None else sampling.seed + self._request_counter
             self._request_counter += 1
-            params.append(SamplingParams(
-                n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                max_tokens=sampling.max_tokens, stop=list(sampling.stop) or None,
-                stop_token_ids=list(sampling.stop_token_ids) or None, logprobs=0, seed=seed, detokenize=False))
+            params.append(_sampling_params(sampling, seed))
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
                                     use_tqdm=False)
-        results = []
-        for output in outputs:
-            samples = []
-            for completion in output.outputs:
-                ids = list(completion.token_ids)
-                lps = [step[token].logprob for step, token in zip(completion.logprobs, ids)]
-                samples.append(Generation(ids, lps, str(completion.finish_reason or "")))
-            results.append(samples)
-        return results
+        return [[_generation(completion) for completion in output.outputs] for output in outputs]
+
+    # Streaming: requests join and leave the running batch between engine steps (what
+    # `rollout.async_engine.StreamingEngine` drives). Not thread-safe, like `generate`: one caller.
+
+    def submit(self, request_id: str, prompt: list[int], sampling: SamplingConfig) -> None:
+        """Adds one request (of `sampling.n == 1`, seeded by `sampling.seed`) to the running batch."""
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = _sampling_params(sampling, sampling.seed)
+        params.output_kind = RequestOutputKind.FINAL_ONLY  # one output per request, when it is done
+        self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt)), params)
+
+    def step(self) -> list[tuple[str, Generation]]:
+        """One engine step (a forward pass over every running request): the requests it finished."""
+        return [(output.request_id, _generation(output.outputs[0]))
+                for output in self.llm.llm_engine.step() if output.finished]
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.llm.llm_engine.abort_request(list(request_ids))
 
     def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Load one bucket of a weight update in place (it must hold whole fused groups: q,k,v together;
@@ -205,6 +213,21 @@ class VLLMEngine:
     def wake_up(self) -> None:
         if torch.cuda.is_available():
             self.llm.wake_up()
+
+
+def _sampling_params(sampling: SamplingConfig, seed: int | None):
+    from vllm import SamplingParams
+
+    return SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                          max_tokens=sampling.max_tokens, stop=list(sampling.stop) or None,
+                          stop_token_ids=list(sampling.stop_token_ids) or None, logprobs=0, seed=seed,
+                          detokenize=False)
+
+
+def _generation(completion) -> Generation:
+    ids = list(completion.token_ids)
+    return Generation(ids, [step[token].logprob for step, token in zip(completion.logprobs, ids)],
+                      str(completion.finish_reason or ""))
 
 
 class _DropExpectedReloadWarnings(logging.Filter):

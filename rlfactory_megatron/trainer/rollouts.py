@@ -380,7 +380,7 @@ class RolloutPlane:
         from rlfactory_megatron.config import weight_sync_transport
         from rlfactory_megatron.rewards import RewardFnSpec
         from rlfactory_megatron.rewards.pool import RewardPool
-        from rlfactory_megatron.rollout.async_engine import AsyncBatchingEngine
+        from rlfactory_megatron.rollout.async_engine import serving
         from rlfactory_megatron.rollout.engines import build_engine
         from rlfactory_megatron.rollout.router import EngineRouter
         from rlfactory_megatron.rollout.weight_sync import TRANSPORTS
@@ -404,7 +404,7 @@ class RolloutPlane:
             engines = [self.engine]
             if not ray.is_initialized():  # after vLLM: with Ray up, its TP>1 engine would pick Ray's executor
                 ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
-        self.router = EngineRouter([AsyncBatchingEngine(engine) for engine in engines], is_failure=_engine_died)
+        self.router = EngineRouter([serving(engine) for engine in engines], is_failure=_engine_died)
         if cfg.cache.enable:
             self._open_cache()
         if cfg.tools.enable:
@@ -632,7 +632,7 @@ class RolloutPlane:
         ends the run instead of failing forever."""
         import ray
 
-        from rlfactory_megatron.rollout.async_engine import AsyncBatchingEngine
+        from rlfactory_megatron.rollout.async_engine import serving
 
         self._check_pool_alive()
         failed = dict(self.router.failed)
@@ -650,7 +650,7 @@ class RolloutPlane:
             self._run(self.router.engines[index].close())
             self._replaced += 1
             self.pool[index] = self._new_pool_engine(index, self._replaced)
-            self.router.revive(index, AsyncBatchingEngine(self.pool[index]))
+            self.router.revive(index, serving(self.pool[index]))
         if failed:  # the group of the sender and every engine, the new ones included
             self.transport = self._pool_transport()
 

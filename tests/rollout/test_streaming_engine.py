@@ -1,0 +1,118 @@
+"""The streaming front of a steppable engine (vLLM's in-process one): each caller resumes when its
+own request finishes, not when a batch does; samples are the batch path's; a bad request, a
+cancelled caller and a closed front each leave the rest served and the engine clean."""
+import asyncio
+
+import pytest
+
+from rlfactory_megatron.rollout.async_engine import AsyncBatchingEngine, StreamingEngine, sampling_config, serving
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[5, 17, 42, 8], [9, 9, 31], [100, 3, 77, 12, 6], [5, 17, 42, 8]]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_hf_dirs):
+    from rlfactory_megatron.rollout.engines import VLLMEngine
+
+    engine = VLLMEngine(tiny_hf_dirs["qwen3"], max_model_len=128, max_num_seqs=16)
+    yield engine
+    engine.close()
+
+
+def test_serving_streams_a_steppable_engine_and_batches_one_that_is_not(engine):
+    class BatchOnly:
+        def generate(self, prompts, sampling, seeds=None): ...
+
+    assert isinstance(serving(engine), StreamingEngine)
+    assert isinstance(serving(BatchOnly()), AsyncBatchingEngine)
+
+
+def test_a_short_request_returns_while_a_long_one_still_decodes(engine):
+    async def go():
+        front = StreamingEngine(engine)
+        finished_at = {}
+
+        async def one(name, max_tokens):
+            ids, _ = await front.generate(PROMPTS[0], {"temperature": 1.0, "max_tokens": max_tokens, "seed": 1})
+            finished_at[name] = (front.steps, len(ids))
+
+        try:
+            await asyncio.gather(one("short", 2), one("long", 40))
+        finally:
+            await front.close()
+        return finished_at
+
+    finished_at = asyncio.run(go())
+    assert finished_at["short"][1] == 2 and finished_at["long"][1] == 40
+    # The short caller resumed after the step that finished it, ~38 steps before the long one ended.
+    assert finished_at["short"][0] <= 4 < 30 <= finished_at["long"][0]
+
+
+def test_streamed_samples_equal_the_batch_path_and_arrive_in_any_order(engine):
+    config = {"temperature": 1.0, "max_tokens": 12}
+    direct = engine.generate(PROMPTS, sampling_config(config), seeds=[3, 4, 5, 11])
+
+    async def go():
+        front = StreamingEngine(engine)
+        try:
+            early = front.generate(PROMPTS[3], {**config, "seed": 11})  # alone, before the others
+            first = await early
+            rest = await asyncio.gather(*(front.generate(p, {**config, "seed": s})
+                                          for p, s in zip(PROMPTS[:3], (3, 4, 5))))
+            return [*rest, first]
+        finally:
+            await front.close()
+
+    streamed = asyncio.run(go())
+    for (ids, log_probs), samples in zip(streamed, direct):
+        assert ids == samples[0].token_ids
+        assert log_probs == pytest.approx(samples[0].log_probs, abs=1e-5)
+
+
+def test_a_refused_request_fails_alone_and_a_cancelled_one_is_aborted(engine):
+    async def go():
+        front = StreamingEngine(engine)
+        try:
+            too_long = front.generate(list(range(10, 300)), {"max_tokens": 4})  # over max_model_len 128
+            fine = front.generate(PROMPTS[1], {"max_tokens": 6, "seed": 2})
+            doomed = asyncio.ensure_future(front.generate(PROMPTS[2], {"max_tokens": 100, "seed": 3}))
+            results = await asyncio.gather(too_long, fine, return_exceptions=True)
+            doomed.cancel()
+            await asyncio.gather(doomed, return_exceptions=True)
+            after = await front.generate(PROMPTS[0], {"max_tokens": 3, "seed": 4})  # the front still serves
+            return results, after
+        finally:
+            await front.close()
+
+    (refused, fine), after = asyncio.run(go())
+    assert isinstance(refused, Exception) and "maximum context length is 128" in str(refused)
+    assert len(fine[0]) == 6 and len(after[0]) == 3
+    assert not engine.llm.llm_engine.has_unfinished_requests()  # the cancelled request left the engine
+
+
+def test_closing_with_requests_in_flight_cancels_their_callers_and_empties_the_engine(engine):
+    async def go():
+        front = StreamingEngine(engine)
+        pending = [asyncio.ensure_future(front.generate(p, {"max_tokens": 100, "seed": i}))
+                   for i, p in enumerate(PROMPTS)]
+        while front.steps < 3:
+            await asyncio.sleep(0.01)
+        await front.close()
+        return await asyncio.gather(*pending, return_exceptions=True)
+
+    results = asyncio.run(go())
+    assert all(isinstance(r, asyncio.CancelledError) for r in results)
+    assert not engine.llm.llm_engine.has_unfinished_requests()
+    # A new event loop (the next rollout phase) is served again.
+    ids, _ = asyncio.run(_once(engine))
+    assert len(ids) == 5
+
+
+async def _once(engine):
+    front = StreamingEngine(engine)
+    try:
+        return await front.generate(PROMPTS[0], {"max_tokens": 5, "seed": 9})
+    finally:
+        await front.close()
