@@ -214,11 +214,12 @@ class StreamingEngine:
             aborted, self._orphans = cancelled + self._orphans, []
             for rid in cancelled:
                 del self._running[rid]
+            already_running = len(self._running)
             self._running.update(arrivals)
             if self._thread is None:
                 self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rlf-engine-step")
             started = time.perf_counter()
-            self._step = loop.run_in_executor(self._thread, self._advance, arrivals, aborted)
+            self._step = loop.run_in_executor(self._thread, self._advance, arrivals, aborted, already_running)
             try:
                 refused, finished = await asyncio.shield(self._step)
             except asyncio.CancelledError:
@@ -245,7 +246,7 @@ class StreamingEngine:
                 if not request.done.done():  # its caller may have been cancelled meanwhile
                     request.done.set_result((list(generation.token_ids), list(generation.log_probs)))
 
-    def _advance(self, arrivals: list[tuple[str, _Request]], aborted: list[str]):
+    def _advance(self, arrivals: list[tuple[str, _Request]], aborted: list[str], already_running: int):
         """In the step thread, the engine's only caller while it runs: (refused, finished)."""
         if aborted:
             self.engine.abort(aborted)
@@ -255,4 +256,8 @@ class StreamingEngine:
                 self.engine.submit(rid, request.prompt, request.sampling)
             except Exception as exc:  # noqa: BLE001 - e.g. a prompt over the engine's length: its caller's error
                 refused.append((rid, exc))
+        if already_running + len(arrivals) == len(refused):
+            # Nothing left to run (only aborts, or every arrival refused): an engine whose core is
+            # another process would wait in `step` for outputs that never come.
+            return refused, []
         return refused, self.engine.step()
