@@ -90,6 +90,7 @@ class AsyncBatchingEngine:
 
     async def close(self) -> None:
         """Stop the batching task (the wrapped engine stays open; its owner closes it)."""
+        self._stopping = True
         if self._worker is not None:
             self._worker.cancel()
             await asyncio.gather(self._worker, return_exceptions=True)
@@ -168,6 +169,7 @@ class StreamingEngine:
         self._step: asyncio.Future | None = None  # the engine step under way, if any
         # A thread of its own: the loop's default executor also runs tools' blocking calls.
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
+        self._stopping = False  # set by close: the step thread returns after its current step
 
     async def generate(self, prompt_token_ids: list[int], sampling: dict[str, Any]) -> tuple[list[int], list[float]]:
         config = sampling_config(sampling)  # bad keys fail in the caller, not in the engine
@@ -184,6 +186,7 @@ class StreamingEngine:
 
     async def close(self) -> None:
         """Stop stepping (the wrapped engine stays open; its owner closes it); waiting callers are cancelled."""
+        self._stopping = True
         if self._worker is not None:
             self._worker.cancel()
             await asyncio.gather(self._worker, return_exceptions=True)
@@ -200,6 +203,7 @@ class StreamingEngine:
         for request in [r for _, r in self._arrivals] + list(self._running.values()):
             request.done.cancel()
         self._arrivals, self._running, self._orphans = [], {}, []
+        self._stopping = False
 
     async def _serve(self) -> None:
         loop = asyncio.get_running_loop()
@@ -221,7 +225,7 @@ class StreamingEngine:
             started = time.perf_counter()
             self._step = loop.run_in_executor(self._thread, self._advance, arrivals, aborted, already_running)
             try:
-                refused, finished = await asyncio.shield(self._step)
+                refused, finished, steps = await asyncio.shield(self._step)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # every running caller sees the engine's failure
@@ -233,7 +237,7 @@ class StreamingEngine:
             finally:
                 self.busy_s += time.perf_counter() - started
             self._step = None
-            self.steps += 1
+            self.steps += steps
             for rid, exc in refused:  # a request the engine would not take fails alone
                 request = self._running.pop(rid)
                 if not request.done.done():
@@ -247,7 +251,10 @@ class StreamingEngine:
                     request.done.set_result((list(generation.token_ids), list(generation.log_probs)))
 
     def _advance(self, arrivals: list[tuple[str, _Request]], aborted: list[str], already_running: int):
-        """In the step thread, the engine's only caller while it runs: (refused, finished)."""
+        """In the step thread, the engine's only caller while it runs: (refused, finished, steps).
+
+        Steps on until a request finishes or a new one arrives: one hop to the event loop per
+        change to the batch, not per forward pass."""
         if aborted:
             self.engine.abort(aborted)
         refused = []
@@ -259,5 +266,10 @@ class StreamingEngine:
         if already_running + len(arrivals) == len(refused):
             # Nothing left to run (only aborts, or every arrival refused): an engine whose core is
             # another process would wait in `step` for outputs that never come.
-            return refused, []
-        return refused, self.engine.step()
+            return refused, [], 0
+        steps = 0
+        while True:
+            finished = self.engine.step()
+            steps += 1
+            if finished or self._arrivals or self._stopping:  # read across threads: a stale answer costs a step
+                return refused, finished, steps

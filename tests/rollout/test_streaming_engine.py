@@ -97,13 +97,15 @@ def test_closing_with_requests_in_flight_cancels_their_callers_and_empties_the_e
         front = StreamingEngine(engine)
         pending = [asyncio.ensure_future(front.generate(p, {"max_tokens": 100, "seed": i}))
                    for i, p in enumerate(PROMPTS)]
-        while front.steps < 3:
+        while not front._running:  # in the engine
             await asyncio.sleep(0.01)
         await front.close()
         return await asyncio.gather(*pending, return_exceptions=True)
 
     results = asyncio.run(go())
-    assert all(isinstance(r, asyncio.CancelledError) for r in results)
+    # Callers still waiting are cancelled (a sample may have ended early, at its end-of-turn token).
+    assert any(isinstance(r, asyncio.CancelledError) for r in results)
+    assert all(isinstance(r, (asyncio.CancelledError, tuple)) for r in results)
     assert not engine.llm.llm_engine.has_unfinished_requests()
     # A new event loop (the next rollout phase) is served again.
     ids, _ = asyncio.run(_once(engine))
