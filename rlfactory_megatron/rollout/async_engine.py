@@ -90,11 +90,7 @@ class AsyncBatchingEngine:
 
     async def close(self) -> None:
         """Stop the batching task (the wrapped engine stays open; its owner closes it)."""
-        self._stopping = True
-        if self._worker is not None:
-            self._worker.cancel()
-            await asyncio.gather(self._worker, return_exceptions=True)
-            self._worker = None
+        self._worker = await _cancelled(self._worker)
         for request in self._pending:
             request.done.cancel()
         self._pending = []
@@ -134,6 +130,13 @@ class AsyncBatchingEngine:
             cap = request.sampling.max_tokens
             if not request.done.done():  # its caller may have been cancelled meanwhile
                 request.done.set_result((list(samples[0].token_ids[:cap]), list(samples[0].log_probs[:cap])))
+
+
+async def _cancelled(task: asyncio.Task | None) -> None:
+    """Cancels a serving task and waits for it to end (None: the slot it leaves)."""
+    if task is not None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 def _group_by_sampling(batch: list[_Request]) -> list[list[_Request]]:
@@ -187,10 +190,7 @@ class StreamingEngine:
     async def close(self) -> None:
         """Stop stepping (the wrapped engine stays open; its owner closes it); waiting callers are cancelled."""
         self._stopping = True
-        if self._worker is not None:
-            self._worker.cancel()
-            await asyncio.gather(self._worker, return_exceptions=True)
-            self._worker = None
+        self._worker = await _cancelled(self._worker)
         if self._step is not None:  # a step in its thread cannot be cancelled: let it end first
             await asyncio.gather(self._step, return_exceptions=True)
             self._step = None
