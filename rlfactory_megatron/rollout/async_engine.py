@@ -2,9 +2,11 @@
 
 `StreamingEngine` serves an engine that steps (vLLM's in-process engine): a request joins the
 running batch at the next engine step and its caller resumes the moment it finishes, so one
-trajectory's tool call overlaps the others' decoding. `AsyncBatchingEngine` serves an engine that
-only takes whole batches (a Ray-hosted one): requests gathered in a short window form one call,
-which lasts as long as its longest request. `serving(engine)` picks the one the engine allows.
+trajectory's tool call overlaps the others' decoding. `RemoteStreamingEngine` does the same for
+an engine that streams on its own side (a Ray-hosted one, whose actor runs a StreamingEngine):
+requests gathered in a short window go in one remote call, and each result comes back as its
+request finishes. `AsyncBatchingEngine` serves an engine that only takes whole batches: a call
+lasts as long as its longest request. `serving(engine)` picks the one the engine allows.
 """
 from __future__ import annotations
 
@@ -36,9 +38,11 @@ def sampling_config(sampling: dict[str, Any]) -> SamplingConfig:
 
 
 def serving(engine, window_s: float = 0.01):
-    """The asyncio front of `engine`: streaming where the engine can step, batched otherwise."""
+    """The asyncio front of `engine`: streaming where the engine can step or streams itself, batched otherwise."""
     if all(callable(getattr(engine, name, None)) for name in ("submit", "step", "abort")):
         return StreamingEngine(engine, window_s=window_s)
+    if callable(getattr(engine, "stream", None)):
+        return RemoteStreamingEngine(engine, window_s=window_s)
     return AsyncBatchingEngine(engine, window_s=window_s)
 
 
@@ -273,3 +277,102 @@ class StreamingEngine:
             steps += 1
             if finished or self._arrivals or self._stopping:  # read across threads: a stale answer costs a step
                 return refused, finished, steps
+
+
+class RemoteStreamingEngine:
+    """`await generate(prompt_token_ids, sampling_dict) -> (token_ids, log_probs)` on an engine that
+    streams on its own side: `engine.stream(prompts, samplings)` is an async iterator of
+    `(index, result)` in the order the requests finish, `result` being `(token_ids, log_probs)` or
+    the exception that request raised (a Ray-hosted engine: one actor call per batch, one streamed
+    return per request).
+
+    Requests gathered in a window of `window_s` form one call; calls do not wait for each other
+    (the engine's own StreamingEngine merges them into its running batch), so a trajectory's next
+    turn starts while other calls still decode. An error of the call itself (the engine's process
+    died) reaches every caller of the call that has no result yet. A caller cancelled meanwhile
+    does not stop its request (the engine finishes it); closing cancels the calls under way.
+    """
+
+    def __init__(self, engine, window_s: float = 0.01):
+        self.engine = engine
+        self.window_s = window_s
+        self.calls = 0  # remote calls made
+        self.requests = 0  # requests finished
+        self.busy_s = 0.0  # wall time with at least one request in the engine
+        self._pending: list[_Request] = []
+        self._arrived: asyncio.Event | None = None
+        self._worker: asyncio.Task | None = None
+        self._calls: set[asyncio.Task] = set()
+        self._in_flight = 0
+        self._busy_since = 0.0
+
+    async def generate(self, prompt_token_ids: list[int], sampling: dict[str, Any]) -> tuple[list[int], list[float]]:
+        config = sampling_config(sampling)  # bad keys fail in the caller, not in the engine
+        if self._worker is None or self._worker.done():
+            # First call, or the previous event loop is gone (and with it its calls and callers).
+            self._pending, self._calls, self._in_flight = [], set(), 0
+            self._arrived = asyncio.Event()
+            self._worker = asyncio.create_task(self._serve())
+        request = _Request(list(prompt_token_ids), config, asyncio.get_running_loop().create_future())
+        self._pending.append(request)
+        self._arrived.set()
+        return await request.done
+
+    async def close(self) -> None:
+        """Stop calling (the engine stays open; its owner closes it); waiting callers are cancelled."""
+        self._worker = await _cancelled(self._worker)
+        for call in list(self._calls):
+            await _cancelled(call)
+        for request in self._pending:
+            request.done.cancel()
+        self._pending, self._calls = [], set()
+
+    async def _serve(self) -> None:
+        while True:
+            await self._arrived.wait()
+            await asyncio.sleep(self.window_s)
+            batch, self._pending = self._pending, []
+            self._arrived.clear()
+            call = asyncio.create_task(self._call(batch))
+            self._calls.add(call)
+            call.add_done_callback(self._calls.discard)
+
+    async def _call(self, batch: list[_Request]) -> None:
+        self.calls += 1
+        self._entered(len(batch))
+        left = dict(enumerate(batch))
+        try:
+            async for index, result in self.engine.stream([r.prompt for r in batch],
+                                                          [dataclasses.asdict(r.sampling) for r in batch]):
+                request = left.pop(index)
+                self._left(1)
+                if request.done.done():  # its caller was cancelled meanwhile
+                    continue
+                if isinstance(result, BaseException):
+                    request.done.set_exception(result)
+                else:
+                    self.requests += 1
+                    request.done.set_result((list(result[0]), list(result[1])))
+            if left:
+                raise RuntimeError(f"the engine's stream ended without the results of {len(left)} requests")
+        except asyncio.CancelledError:  # closing: its callers are cancelled with it
+            for request in left.values():
+                request.done.cancel()
+            raise
+        except Exception as exc:  # the call failed: every request without a result sees why
+            for request in left.values():
+                if not request.done.done():
+                    request.done.set_exception(exc)
+        finally:
+            self._left(len(left))
+
+    def _entered(self, count: int) -> None:
+        if self._in_flight == 0:
+            self._busy_since = time.perf_counter()
+        self._in_flight += count
+
+    def _left(self, count: int) -> None:
+        if count and self._in_flight:
+            self._in_flight -= count
+            if self._in_flight == 0:
+                self.busy_s += time.perf_counter() - self._busy_since

@@ -39,15 +39,49 @@ def _layout(named: list[tuple[str, torch.Tensor]]) -> dict:
 
 
 class VLLMEngineHost:
-    """The body of the Ray actor: one VLLMEngine plus the receiving end of the weight group."""
+    """The body of the Ray actor: one VLLMEngine plus the receiving end of the weight group.
+
+    An async actor: `stream` calls run at once on its event loop, all through one
+    StreamingEngine that steps the engine in a thread of its own, so a call that arrives joins the
+    running batch at the next step. The plain methods (weight loading among them) run between
+    streams: the router pauses engine calls for a weight sync."""
 
     def __init__(self, hf_dir: str, **engine_kwargs) -> None:
         self.engine = VLLMEngine(hf_dir, in_process=True, **engine_kwargs)
+        self.front = None  # the StreamingEngine, made on the actor's event loop by the first stream
         self.group = None
         self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seeds=None) -> list[list[Generation]]:
         return self.engine.generate(prompts, sampling, seeds)
+
+    async def stream(self, prompts: list[list[int]], samplings: list[dict]):
+        """Yields `(index, (token_ids, log_probs))` as each request finishes, or `(index, exception)`
+        for a request the engine refused; a cancelled call aborts its unfinished requests."""
+        import asyncio
+
+        from rlfactory_megatron.rollout.async_engine import StreamingEngine
+
+        if self.front is None:
+            self.front = StreamingEngine(self.engine)
+
+        async def one(index: int):
+            try:
+                return index, await self.front.generate(prompts[index], samplings[index])
+            except Exception as exc:  # noqa: BLE001 - that request's error, for its caller
+                return index, exc
+
+        requests = [asyncio.ensure_future(one(index)) for index in range(len(prompts))]
+        try:
+            for finished in asyncio.as_completed(requests):
+                yield await finished
+        finally:
+            for request in requests:
+                request.cancel()
+
+    def engine_steps(self) -> int:
+        """Forward passes the engine has made for `stream` calls."""
+        return self.front.steps if self.front is not None else 0
 
     def weight_names(self) -> dict[str, tuple[int, ...]]:
         return self.engine.weight_names()
@@ -69,7 +103,9 @@ class VLLMEngineHost:
     def finish_weight_update(self) -> None:
         self.engine.finish_weight_update()
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        if self.front is not None:
+            await self.front.close()
         self.engine.close()
 
 
@@ -87,6 +123,22 @@ class RayVLLMEngine:
 
     def generate(self, prompts, sampling, seeds=None):
         return self._ray.get(self.actor.generate.remote(prompts, sampling, seeds))
+
+    async def stream(self, prompts: list[list[int]], samplings: list[dict]):
+        """`(index, result)` as each request finishes in the actor (one call, streamed returns);
+        see `async_engine.RemoteStreamingEngine`. Leaving early cancels the call."""
+        returns = self.actor.stream.options(num_returns="streaming").remote(prompts, samplings)
+        complete = False
+        try:
+            async for ref in returns:
+                yield await ref
+            complete = True
+        finally:
+            if not complete:
+                try:
+                    self._ray.cancel(returns)
+                except Exception:  # noqa: BLE001 - the actor is gone already
+                    pass
 
     def weight_names(self):
         return self._ray.get(self.actor.weight_names.remote())

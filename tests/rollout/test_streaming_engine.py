@@ -118,3 +118,78 @@ async def _once(engine):
         return await front.generate(PROMPTS[0], {"max_tokens": 5, "seed": 9})
     finally:
         await front.close()
+
+
+# A Ray-hosted engine streams on its side: the actor runs a StreamingEngine, and the client sends the
+# requests of one window in one call whose results come back one by one, as each request finishes.
+
+@pytest.fixture(scope="module")
+def hosted(tiny_hf_dirs, ray_session):
+    from rlfactory_megatron.rollout.ray_engine import RayVLLMEngine
+
+    engine = RayVLLMEngine(tiny_hf_dirs["qwen3"], max_model_len=128, max_num_seqs=16)
+    yield engine
+    engine.close()
+
+
+def test_a_hosted_engine_streams_its_results_and_a_next_turn_overlaps_a_long_request(hosted, engine):
+    from rlfactory_megatron.rollout.async_engine import RemoteStreamingEngine
+
+    config = {"temperature": 1.0, "max_tokens": 12}
+    direct = engine.generate(PROMPTS, sampling_config(config), seeds=[3, 4, 5, 11])
+    order = []
+
+    async def one(front, name, prompt, sampling):
+        result = await front.generate(prompt, sampling)
+        order.append(name)
+        return result
+
+    async def go():
+        front = serving(hosted)
+        assert isinstance(front, RemoteStreamingEngine)
+        try:
+            long = asyncio.ensure_future(one(front, "long", PROMPTS[0], {"temperature": 1.0, "max_tokens": 100, "seed": 1}))
+            await one(front, "short", PROMPTS[1], {"temperature": 1.0, "max_tokens": 2, "seed": 2})
+            # The short one's next turn: a call of its own, which joins the long one's running batch.
+            await one(front, "next turn", PROMPTS[1], {"temperature": 1.0, "max_tokens": 2, "seed": 3})
+            same = await asyncio.gather(*(front.generate(p, {**config, "seed": s})
+                                          for p, s in zip(PROMPTS, (3, 4, 5, 11))))
+            refused = await asyncio.gather(front.generate(list(range(10, 300)), {"max_tokens": 4}),
+                                           front.generate(PROMPTS[2], {"max_tokens": 3, "seed": 6}),
+                                           return_exceptions=True)
+            return (await long), same, refused, front
+        finally:
+            await front.close()
+
+    long, same, (too_long, fine), front = asyncio.run(go())
+    assert len(long[0]) == 100
+    assert order.index("next turn") < order.index("long")  # not held until the long request's batch ends
+    for (ids, log_probs), samples in zip(same, direct):  # the colocated engine's samples, seed for seed
+        assert ids == samples[0].token_ids
+        assert log_probs == pytest.approx(samples[0].log_probs, abs=1e-5)
+    assert isinstance(too_long, Exception) and "maximum context length is 128" in str(too_long)
+    assert len(fine[0]) == 3  # the refused request failed alone
+    assert front.requests == 8 and front.busy_s > 0
+
+
+def test_closing_a_hosted_front_mid_call_cancels_its_callers_and_the_engine_serves_on(hosted):
+    async def go():
+        front = serving(hosted)
+        pending = [asyncio.ensure_future(front.generate(p, {"max_tokens": 100, "seed": i}))
+                   for i, p in enumerate(PROMPTS)]
+        while not front._calls:  # sent
+            await asyncio.sleep(0.01)
+        await front.close()
+        return await asyncio.gather(*pending, return_exceptions=True)
+
+    results = asyncio.run(go())
+    assert all(isinstance(r, asyncio.CancelledError) for r in results)
+
+    async def again():
+        front = serving(hosted)
+        try:
+            return await front.generate(PROMPTS[0], {"max_tokens": 5, "seed": 9})
+        finally:
+            await front.close()
+
+    assert len(asyncio.run(again())[0]) == 5
