@@ -383,9 +383,17 @@ def main(argv: list[str]) -> int:
                         help="also run ours on a disaggregated engine synchronously and with trainer.max_staleness=1")
     parser.add_argument("--async-target", type=float, default=1.6,
                         help="with --async, exit 1 when asynchronous/synchronous tokens/s is below this")
+    parser.add_argument("--threads", help="comma-separated OMP_NUM_THREADS settings, e.g. 1,2: the whole benchmark "
+                                           "runs once per setting, each in a process of its own, and the targets "
+                                           "compare each side at its best setting")
     parser.add_argument("overrides", nargs="*",
                         help="config overrides for our side's other keys, e.g. rollout.gpu_memory_utilization=0.3")
     args = parser.parse_args(argv)
+    if args.threads is not None:
+        settings = [t.strip() for t in args.threads.split(",") if t.strip()]
+        if not settings or not all(t.isdigit() and int(t) >= 1 for t in settings):
+            parser.error(f"--threads {args.threads!r}: give OMP_NUM_THREADS values >= 1, comma-separated (e.g. 1,2)")
+        return run_thread_settings(argv, settings, args)
     if args.max_tokens is None:
         args.max_tokens = LONG_MAX_TOKENS if args.workload != "short" else default.rollout.max_response_tokens
     if args.n < 2 or args.prompts < 1 or args.steps < 1 or args.warmup < 0 or args.max_tokens < 1:
@@ -477,3 +485,94 @@ def main(argv: list[str]) -> int:
            report.get("lockstep", {}).get("target_met", True)]
     return 0 if all(met) else 1
 
+
+
+# ---------------------------------------------------------------------------- thread settings
+# What each report's runs are called, where their tokens/s are, and the ratio each target checks.
+_RUNS = {"ours": ("ours",), "TRL": ("trl",), "lock-step": ("lockstep", "ours_lockstep"),
+         "synchronous": ("async", "synchronous"), "asynchronous": ("async", "asynchronous")}
+_TARGETS = (("ours/TRL", "ours", "TRL", "target"), ("per-sample/lock-step", "ours", "lock-step", "lockstep_target"),
+            ("asynchronous/synchronous", "asynchronous", "synchronous", "async_target"))
+
+
+def _without_option(argv: list[str], names: tuple[str, ...]) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in names:
+            skip = True
+        elif not any(arg.startswith(name + "=") for name in names):
+            out.append(arg)
+    return out
+
+
+def run_thread_settings(argv: list[str], settings: list[str], args) -> int:
+    """The benchmark once per OMP_NUM_THREADS setting (torch and vLLM-CPU fix their thread count
+    when a process starts, so each setting is a process of its own), then every run at its best
+    setting: a side that is faster at 2 threads is compared at 2, one faster at 1 at 1."""
+    import subprocess
+    import sys
+
+    rest = _without_option(argv, ("--threads", "--out", "--json"))
+    reports, started = {}, time.perf_counter()
+    for index, threads in enumerate(settings):
+        elapsed = time.perf_counter() - started
+        eta = f", ~{elapsed / index * (len(settings) - index) / 60:.0f} min left" if index else ""
+        print(f"rlf-bench e2e --threads: OMP_NUM_THREADS={threads} ({index + 1}/{len(settings)}{eta})", flush=True)
+        with tempfile.TemporaryDirectory(prefix="rlf-bench-e2e-threads-") as tmp:
+            out = Path(tmp) / "report.json"
+            # Every target 0 in the child: the combined report decides, on each side's best setting.
+            code = subprocess.call([sys.executable, "-m", "rlfactory_megatron.cli.bench", "e2e", *rest, "--target", "0",
+                                    "--lockstep-target", "0", "--async-target", "0", "--json", str(out)],
+                                   env={**os.environ, "OMP_NUM_THREADS": threads})
+            if code != 0 or not out.is_file():
+                print(f"rlf-bench e2e --threads: the run at OMP_NUM_THREADS={threads} failed (exit {code})", file=sys.stderr)
+                return code or 1
+            reports[threads] = json.loads(out.read_text())
+    combined = combine_thread_settings(reports, {"target": args.target, "lockstep_target": args.lockstep_target,
+                                                 "async_target": args.async_target})
+    combined["command"] = shlex.join(["rlf-bench", "e2e", *argv])
+    _print_thread_settings(combined)
+    if args.out:
+        Path(args.out).write_text(json.dumps(combined, indent=2))
+    return 0 if all(t["met"] for t in combined["targets"]) else 1
+
+
+def _tokens_per_s(report: dict, path: tuple[str, ...]) -> float | None:
+    for key in path:
+        report = report.get(key) if isinstance(report, dict) else None
+    return report["tokens_per_s"] if isinstance(report, dict) else None
+
+
+def combine_thread_settings(reports: dict[str, dict], targets: dict[str, float]) -> dict:
+    """Per setting each run's tokens/s; each run's best setting; each target's ratio on the best."""
+    per_setting = {threads: {name: value for name, path in _RUNS.items()
+                             if (value := _tokens_per_s(report, path)) is not None}
+                   for threads, report in reports.items()}
+    best = {}
+    for name in _RUNS:
+        measured = {threads: runs[name] for threads, runs in per_setting.items() if name in runs}
+        if measured:
+            threads = max(measured, key=measured.get)
+            best[name] = {"omp_num_threads": threads, "tokens_per_s": measured[threads]}
+    checked = []
+    for label, top, bottom, key in _TARGETS:
+        if top in best and bottom in best:
+            ratio = best[top]["tokens_per_s"] / best[bottom]["tokens_per_s"]
+            checked.append({"ratio": label, "value": ratio, "target": targets[key], "met": ratio >= targets[key],
+                            "at": {top: best[top]["omp_num_threads"], bottom: best[bottom]["omp_num_threads"]}})
+    return {"per_setting": per_setting, "best": best, "targets": checked, "reports": reports}
+
+
+def _print_thread_settings(combined: dict) -> None:
+    names = [name for name in _RUNS if name in combined["best"]]
+    print("rlf-bench e2e, each setting in a process of its own (tokens/s, prompt+completion):")
+    print("  " + f"{'OMP_NUM_THREADS':<16}" + "".join(f"{name:>14}" for name in names))
+    for threads, runs in combined["per_setting"].items():
+        print("  " + f"{threads:<16}" + "".join(f"{runs[n]:>14.1f}" if n in runs else f"{'':>14}" for n in names))
+    for target in combined["targets"]:
+        at = ", ".join(f"{name} at {threads}" for name, threads in target["at"].items())
+        print(f"  {target['ratio']} at each side's best setting ({at}): {target['value']:.2f}x "
+              f"(target >= {target['target']:.1f}x: {'met' if target['met'] else 'NOT met'})")
+    print(f"  command: {combined['command']}")

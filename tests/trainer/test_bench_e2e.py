@@ -89,3 +89,42 @@ def test_bench_e2e_tools_workload(tmp_path):
         assert 0 < side["longest_completion_max"] <= 64
     assert report["lockstep"]["ratio_tokens_per_s"] == report["ours"]["tokens_per_s"] / lockstep["tokens_per_s"]
     assert "ratio per-sample/lock-step" in run.stdout and "tool calls per sample" in run.stdout
+
+
+def test_thread_settings_compare_each_run_at_its_best_setting():
+    from rlfactory_megatron.bench.e2e import combine_thread_settings
+
+    def report(ours, trl, lockstep):
+        return {"ours": {"tokens_per_s": ours}, "trl": {"tokens_per_s": trl},
+                "lockstep": {"ours_lockstep": {"tokens_per_s": lockstep}}}
+
+    combined = combine_thread_settings({"1": report(400.0, 500.0, 300.0), "2": report(350.0, 800.0, 320.0)},
+                                       {"target": 0.85, "lockstep_target": 1.5, "async_target": 1.6})
+    assert combined["best"]["ours"] == {"omp_num_threads": "1", "tokens_per_s": 400.0}
+    assert combined["best"]["TRL"] == {"omp_num_threads": "2", "tokens_per_s": 800.0}
+    by_ratio = {t["ratio"]: t for t in combined["targets"]}
+    assert set(by_ratio) == {"ours/TRL", "per-sample/lock-step"}  # no --async runs, no async target
+    assert by_ratio["ours/TRL"]["value"] == 0.5 and not by_ratio["ours/TRL"]["met"]
+    assert by_ratio["ours/TRL"]["at"] == {"ours": "1", "TRL": "2"}
+    assert by_ratio["per-sample/lock-step"]["value"] == 1.25 and by_ratio["per-sample/lock-step"]["at"]["lock-step"] == "2"
+    assert combined["per_setting"]["2"] == {"ours": 350.0, "TRL": 800.0, "lock-step": 320.0}
+
+
+@pytest.mark.slow
+def test_bench_e2e_threads_runs_each_setting_in_its_own_process(tmp_path):
+    env = dict(os.environ, RLF_CACHE_HOME=str(tmp_path / "cache"))
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "RAY_ADDRESS", "OMP_NUM_THREADS"):
+        env.pop(var, None)
+    out = tmp_path / "e2e.json"
+    args = ["e2e", "--threads", "1,2", "--prompts", "2", "--n", "2", "--max-tokens", "8", "--warmup", "0",
+            "--steps", "1", "--target", "0", "--out", str(out)]
+    run = subprocess.run([str(BIN / "rlf-bench"), *args], capture_output=True, text=True, env=env, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    combined = json.loads(out.read_text())
+    for threads in ("1", "2"):  # each child ran at its own setting, and reported it
+        assert combined["reports"][threads]["settings"]["omp_num_threads"] == threads
+        assert combined["reports"][threads]["ours"]["threads"] == int(threads)
+        assert combined["per_setting"][threads]["ours"] > 0 and combined["per_setting"][threads]["TRL"] > 0
+    (target,) = combined["targets"]
+    assert target["ratio"] == "ours/TRL" and target["target"] == 0 and target["met"]
+    assert "at each side's best setting" in run.stdout and "OMP_NUM_THREADS=2 (2/2" in run.stdout
