@@ -574,5 +574,5 @@ def _print_thread_settings(combined: dict) -> None:
     for target in combined["targets"]:
         at = ", ".join(f"{name} at {threads}" for name, threads in target["at"].items())
         print(f"  {target['ratio']} at each side's best setting ({at}): {target['value']:.2f}x "
-              f"(target >= {target['target']:.1f}x: {'met' if target['met'] else 'NOT met'})")
+              f"(target >= {target['target']:g}x: {'met' if target['met'] else 'NOT met'})")
     print(f"  command: {combined['command']}")
