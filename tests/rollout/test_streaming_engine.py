@@ -177,7 +177,7 @@ def test_closing_a_hosted_front_mid_call_cancels_its_callers_and_the_engine_serv
         front = serving(hosted)
         pending = [asyncio.ensure_future(front.generate(p, {"max_tokens": 100, "seed": i}))
                    for i, p in enumerate(PROMPTS)]
-        while not front._calls:  # sent
+        while not front.calls:  # sent
             await asyncio.sleep(0.01)
         await front.close()
         return await asyncio.gather(*pending, return_exceptions=True)
