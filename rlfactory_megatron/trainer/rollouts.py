@@ -503,7 +503,7 @@ class RolloutPlane:
 
         sessions = {row: self.router.session() for row in mine}  # each trajectory stays on one engine
         engines = self.router.engines
-        before = [(engine.requests, engine.busy_s) for engine in engines]
+        busy_before = [engine.busy_s for engine in engines]
         barrier = TurnBarrier(len(mine)) if cfg.tools.turn_schedule == "lockstep" else None
         trajectories = await asyncio.gather(*(
             run_agent_loop(prompts[row // n], sessions[row], self.manager, run_tool,
@@ -512,6 +512,9 @@ class RolloutPlane:
             for row in mine))
         local, summaries, versions = {}, [], {}
         generated = [0] * len(engines)
+        # Counted from this phase's own calls: with batches generating ahead (asynchronous RL) an
+        # engine's counters also move for the other batches in flight.
+        requests = [0] * len(engines)
         newest = [-1] * len(engines)  # the newest weights each engine generated this phase's tokens with
         for row, traj in zip(mine, trajectories):
             text = self.tokenizer.decode([t for t, m in zip(traj.response_ids, traj.loss_mask) if m])
@@ -522,13 +525,14 @@ class RolloutPlane:
                                         _tool_errors(traj), {v: versions[row].count(v) for v in sorted(set(versions[row]))}))
             for engine, version, tokens in sessions[row].calls:
                 generated[engine] += tokens
+                requests[engine] += 1
                 newest[engine] = max(newest[engine], version)
-        stats = [{"requests": float(engine.requests - requests), "generated_tokens": float(tokens),
+        stats = [{"requests": float(calls), "generated_tokens": float(tokens),
                   "busy_s": engine.busy_s - busy,
                   "weight_version": float(version if version >= 0 else self.router.version),
                   "failed": float(index in self.router.failed)}
-                 for index, (engine, (requests, busy), tokens, version)
-                 in enumerate(zip(engines, before, generated, newest))]
+                 for index, (engine, busy, calls, tokens, version)
+                 in enumerate(zip(engines, busy_before, requests, generated, newest))]
         return local, summaries, stats, versions
 
     def place(self, rollouts: Rollouts) -> TrainRows:
