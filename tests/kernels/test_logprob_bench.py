@@ -16,3 +16,14 @@ def test_bench_small_case(tmp_path, capsys):
     # naive holds several [2048, 32768] fp32 tensors (256 MiB each); fused a few [128, 32768] (16 MiB).
     assert result["fused"]["peak_mib"] * 8 < result["naive"]["peak_mib"]
     assert "fused peak" in capsys.readouterr().out
+
+
+def test_a_case_too_small_to_move_rss_reports_no_memory_ratio_instead_of_crashing(monkeypatch, capsys):
+    # CI saw it: T=64 V=512 naive logits fit in heap the process already held, RSS read 0 MiB,
+    # and the summary divided by it.
+    case = {"T": 64, "V": 512, "H": 32, "max_abs_diff": 0.0,
+            "fused": {"time_s": 0.002, "peak_mib": 0.0}, "naive": {"time_s": 0.001, "peak_mib": 0.0}}
+    monkeypatch.setattr(logprob, "_spawn", lambda T, V, paths, argv: case)
+    assert logprob.main(["--tokens", "64", "--vocab", "512", "--hidden", "32", "--device", "cpu"]) == 0
+    summary = capsys.readouterr().out.splitlines()[-1]
+    assert "not measurable" in summary and "TARGETS MISSED" in summary
