@@ -65,10 +65,10 @@ def _mcore_to_hf(mcore_dir: str, out: str, tp: int, pp: int, vpp: int | None) ->
     return {"out": out}
 
 
-def _check(hf_dir: str, tp: int, pp: int, vpp: int | None) -> dict:
-    from rlfactory_megatron.models.parity import parity_worker
+def _check(hf_dir: str, tp: int, pp: int, vpp: int | None) -> list[dict]:
+    from rlfactory_megatron.models.parity import job_parity
 
-    return parity_worker([hf_dir], tp, pp, vpp)[0]
+    return job_parity(hf_dir, tp, pp, vpp)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from rlfactory_megatron.config import ConfigError, validate_against_model
     from rlfactory_megatron.runtime.distributed import run_as_job
+    from rlfactory_megatron.runtime.launch_env import detect_launch_env
     from rlfactory_megatron.models.hf_arch import UnsupportedCheckpointError, load_arch
     from rlfactory_megatron.models.hf_checkpoint import CheckpointError
     from rlfactory_megatron.models.mcore_checkpoint import read_mcore_meta
@@ -112,9 +113,13 @@ def main(argv: list[str] | None = None) -> int:
             run_as_job(_mcore_to_hf, world, args.mcore_dir, args.out, args.tp, args.pp, args.vpp)
             print(f"rlf-convert: wrote HF checkpoint to {args.out}")
         else:
-            results = run_as_job(_check, world, args.hf_dir, args.tp, args.pp, args.vpp)
+            results = [r for every in run_as_job(_check, world, args.hf_dir, args.tp, args.pp, args.vpp)
+                       for r in every]
             worst = {k: max(r.get(k, 0.0) for r in results) for k in ("logits_max_diff", "loss_diff", "grad_max_diff")}
-            print(json.dumps(worst))
+            # Under a launcher every rank runs this command; one line per job, not one per rank
+            # (ranks writing to one stdout interleave their lines).
+            if detect_launch_env().rank == 0:
+                print(json.dumps(worst))
             return 0 if worst["logits_max_diff"] <= 1e-4 and worst["grad_max_diff"] <= 1e-4 else 1
     except (ConfigError, UnsupportedCheckpointError, CheckpointError, ValueError) as exc:
         print(f"rlf-convert: error: {exc}", file=sys.stderr)

@@ -105,3 +105,17 @@ def parity_worker(hf_dirs: list[str], tp: int, pp: int, vpp: int | None = None,
         return [check_parity(hf_dir, export) for hf_dir, export in zip(hf_dirs, exports)]
     finally:
         destroy_distributed()
+
+
+def job_parity(hf_dir: str, tp: int, pp: int, vpp: int | None = None) -> list[dict[str, Any]]:
+    """One rank of a parity check of one checkpoint; returns every rank's result, so that under a
+    launcher (one process per rank) any rank can judge the whole job: a pipeline rank without the
+    last stage has no logits, another rank's gradients may be the worst."""
+    init_distributed(ParallelSizes(tp, pp, vpp))
+    try:
+        mine = check_parity(hf_dir)
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        return every
+    finally:
+        destroy_distributed()
