@@ -37,3 +37,48 @@ def ray_session():
                  runtime_env={"env_vars": {"PYTHONPATH": envs_tests}})
     yield ray
     ray.shutdown()
+
+
+# ----------------------------------------------------------------- test order
+# The whole suite runs on two xdist workers that take one test at a time. Collected in file
+# order, the slowest tests (tests/trainer, last alphabetically) are dispatched last, and the run
+# ends with one worker idle while the other finishes a 5-minute test. Longest first, the run ends
+# on short tests instead. The durations are the last recorded run's (`--record-durations`);
+# a test not in the file runs after the recorded ones, in file order.
+DURATIONS = Path(__file__).resolve().parent / "durations.json"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--record-durations", metavar="PATH", default=None,
+                     help="write each test's seconds (setup + call + teardown) into PATH, a JSON object "
+                          "merged with what PATH holds; tests/durations.json orders the suite")
+
+
+def pytest_collection_modifyitems(config, items):
+    import json
+
+    if not DURATIONS.exists():
+        return
+    seconds = json.loads(DURATIONS.read_text())
+    # sort() is stable: unrecorded tests (0 s) keep their file order after the recorded ones.
+    items.sort(key=lambda item: -seconds.get(item.nodeid, 0.0))
+
+
+_recorded: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    # Under xdist the controller receives every worker's reports: it alone writes the file.
+    _recorded[report.nodeid] = _recorded.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    import json
+
+    path = session.config.getoption("--record-durations")
+    if path is None or hasattr(session.config, "workerinput") or not _recorded:
+        return
+    path = Path(path)
+    merged = json.loads(path.read_text()) if path.exists() else {}
+    merged.update({nodeid: round(s, 2) for nodeid, s in _recorded.items()})
+    path.write_text(json.dumps(dict(sorted(merged.items(), key=lambda kv: -kv[1])), indent=0) + "\n")
