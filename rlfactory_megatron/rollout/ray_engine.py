@@ -120,6 +120,7 @@ class RayVLLMEngine:
         self._ray = ray
         # max_restarts=0: a dead engine is replaced by its owner, with the weights of the next sync.
         self.actor = host_cls.options(name=name, max_restarts=0).remote(hf_dir, **engine_kwargs)
+        self._weight_names: dict[str, tuple[int, ...]] | None = None
 
     def generate(self, prompts, sampling, seeds=None):
         return self._ray.get(self.actor.generate.remote(prompts, sampling, seeds))
@@ -141,7 +142,11 @@ class RayVLLMEngine:
                     pass
 
     def weight_names(self):
-        return self._ray.get(self.actor.weight_names.remote())
+        """The names and shapes a sync must deliver: those of the checkpoint the actor started from,
+        fixed for its life, so asked once (not one blocking round trip per engine per sync)."""
+        if self._weight_names is None:
+            self._weight_names = self._ray.get(self.actor.weight_names.remote())
+        return dict(self._weight_names)
 
     def close(self) -> None:
         try:

@@ -16,6 +16,7 @@ import dataclasses
 import os
 import pickle
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -684,11 +685,13 @@ class RolloutPlane:
         not stream into a dead actor."""
         import ray
 
-        for index, engine in enumerate(self.pool):
-            if index in self.router.failed:
-                continue
+        # All pinged at once, under one deadline: a wedged engine costs the timeout once, not per engine.
+        pings = {index: engine.actor.weight_names.remote() for index, engine in enumerate(self.pool)
+                 if index not in self.router.failed}
+        deadline = time.monotonic() + ENGINE_PING_TIMEOUT_S
+        for index, ping in pings.items():
             try:
-                ray.get(engine.actor.weight_names.remote(), timeout=ENGINE_PING_TIMEOUT_S)
+                ray.get(ping, timeout=max(deadline - time.monotonic(), 0.0))
             except Exception as exc:  # noqa: BLE001 - dead, or wedged: replaced either way
                 self.router.fail(index, exc)
 
