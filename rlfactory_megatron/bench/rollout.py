@@ -3,8 +3,13 @@
 
 Reports tokens/s for each, the scaling efficiency (2-engine tokens/s over twice the 1-engine
 figure), the router's imbalance (max / mean engine busy time) and the time of one weight sync
-through the broadcast group to 1 and to 2 engines (the median of SYNC_REPEATS after a warm-up:
-one sync of a small model is too noisy on a loaded host; ratio to the 1-engine sync).
+through the broadcast group to 1 and to 2 engines (ratio to the 1-engine sync).
+
+On a shared 2-core host one measurement of a few seconds moves by 20% from run to run, and a
+drift (another process, the CPU's clock) favours whichever engine count runs first. So the run
+makes `--rounds` rounds that alternate which count goes first, and reports the median over the
+rounds of each figure (every round's figures beside it); each round times SYNC_REPEATS syncs
+per engine count after a warm-up one.
 """
 from __future__ import annotations
 
@@ -49,6 +54,15 @@ def _generate(engines, prompts: list[list[int]], max_tokens: int, seed: int) -> 
             "token_ids": [ids for ids, _ in outs]}
 
 
+def _median_run(runs: list[dict]) -> dict:
+    """The figures of the round with the median tokens/s (a whole round's, so that they agree),
+    plus every round's tokens/s."""
+    ordered = sorted(runs, key=lambda run: run["tokens_per_s"])
+    median = ordered[(len(ordered) - 1) // 2]
+    return {**{k: v for k, v in median.items() if k != "token_ids"},
+            "tokens_per_s_per_round": [run["tokens_per_s"] for run in runs]}
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="rlf-bench rollout", description=__doc__)
     parser.add_argument("--prompts", type=int, default=64)
@@ -57,6 +71,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--bucket-mb", type=float, default=64.0)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of both engine counts, alternating which goes first; figures are medians")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
 
@@ -87,21 +103,26 @@ def main(argv: list[str]) -> int:
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(10, 4000, (args.prompts, args.prompt_tokens), generator=gen).tolist()
     _generate(engines, prompts[:4], 8, seed=1)  # warm-up: first calls allocate
-    one = _generate(engines[:1], prompts, args.max_tokens, seed=1)
-    two = _generate(engines, prompts, args.max_tokens, seed=1)
-    results = {
-        "prompts": args.prompts, "max_tokens": args.max_tokens,
-        "one_engine": {k: v for k, v in one.items() if k != "token_ids"},
-        "two_engines": {k: v for k, v in two.items() if k != "token_ids"},
-        "same_samples": one["token_ids"] == two["token_ids"],
-        "scaling_efficiency": round(two["tokens_per_s"] / (2 * one["tokens_per_s"]), 3),
-    }
     actor = MegatronEngine(load_arch(hf_dir), hf_dir, BuildOptions())
-    for name, fed in (("sync_one_engine_s", engines[:1]), ("sync_two_engines_s", engines)):
-        transport = BroadcastTransport(fed)
-        sync_weights(actor, transport, args.bucket_mb)  # warm-up
-        results[name] = round(statistics.median(sync_weights(actor, transport, args.bucket_mb).seconds
-                                                for _ in range(SYNC_REPEATS)), 3)
+    runs = {1: [], 2: []}
+    syncs = {1: [], 2: []}
+    for round_index in range(args.rounds):
+        for count in ((1, 2) if round_index % 2 == 0 else (2, 1)):
+            runs[count].append(_generate(engines[:count], prompts, args.max_tokens, seed=1))
+            transport = BroadcastTransport(engines[:count])  # a group of the sender and these engines
+            sync_weights(actor, transport, args.bucket_mb)  # warm-up
+            syncs[count] += [sync_weights(actor, transport, args.bucket_mb).seconds for _ in range(SYNC_REPEATS)]
+    one, two = (_median_run(runs[count]) for count in (1, 2))
+    results = {
+        "prompts": args.prompts, "max_tokens": args.max_tokens, "rounds": args.rounds,
+        "one_engine": one, "two_engines": two,
+        "same_samples": all(run["token_ids"] == runs[1][0]["token_ids"] for run in runs[1] + runs[2]),
+        "scaling_efficiency": round(two["tokens_per_s"] / (2 * one["tokens_per_s"]), 3),
+        "scaling_efficiency_per_round": [round(b["tokens_per_s"] / (2 * a["tokens_per_s"]), 3)
+                                         for a, b in zip(runs[1], runs[2])],
+        "sync_one_engine_s": round(statistics.median(syncs[1]), 3),
+        "sync_two_engines_s": round(statistics.median(syncs[2]), 3),
+    }
     results["sync_two_over_one"] = round(results["sync_two_engines_s"] / results["sync_one_engine_s"], 3)
     print(json.dumps(results, indent=2))
     if args.json:
