@@ -11,6 +11,7 @@ from pathlib import Path
 
 
 def _train_rank(config_yaml: str, hf_dir: str, verbose: bool) -> dict:
+    """One rank's run: its last metrics and the signal that stopped it early, if one did."""
     from rlfactory_megatron.config import config_from_yaml
     from rlfactory_megatron.runtime.console import library_output_to
     from rlfactory_megatron.runtime.launch_env import detect_launch_env
@@ -42,9 +43,9 @@ def _train(cfg, hf_dir: str) -> dict:
     failed = True
     try:
         trainer = Trainer(cfg, hf_dir)
-        result = trainer.fit()
+        metrics = trainer.fit()
         failed = False
-        return result
+        return {"metrics": metrics, "stopped_by": trainer.stopped_by}
     finally:
         try:
             if trainer is not None:
@@ -112,8 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, UnsupportedCheckpointError, ValueError) as exc:
         print(f"rlf-train: error: {exc}", file=sys.stderr)
         return 2
+    stopped_by = results[0]["stopped_by"]
+    if stopped_by is not None:  # a stop signal: the run did not finish (runtime/stop.py)
+        return 128 + stopped_by
     if launch.rank == 0:
-        final = results[0] or {}
+        final = results[0]["metrics"] or {}
         print(f"rlf-train: done. metrics: {output / 'metrics.jsonl'}, TensorBoard: {output / 'tensorboard'}, "
               f"checkpoints: {output / 'checkpoints'}; last mean reward {final.get('reward/score/mean', float('nan')):.3f}")
     return 0

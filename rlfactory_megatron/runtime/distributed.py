@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 from rlfactory_megatron.runtime.cpu_compat import cuda_available, enable_cpu_compat
 from rlfactory_megatron.runtime.launch_env import LaunchEnv, detect_launch_env, free_port
+from rlfactory_megatron.runtime.stop import forward_stop_signals
 
 
 @dataclass(frozen=True)
@@ -105,13 +107,21 @@ def spawn_local_workers(fn: Callable[..., Any], world_size: int, *args: Any) -> 
     port = free_port()
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.start_processes(
+        ranks = mp.start_processes(
             _worker_entry,
             args=(world_size, port, fn, args, results),
             nprocs=world_size,
-            join=True,
+            join=False,
             start_method="spawn",
         )
+        # A stop signal sent to this process alone (`kill <pid>`) reaches the ranks, which stop together.
+        previous = forward_stop_signals(ranks.processes)
+        try:
+            while not ranks.join():
+                pass
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
         return [results[r] for r in range(world_size)]
 
 

@@ -11,6 +11,7 @@ rollout side (engines, their placement, the split of prompts, the routing of row
 from __future__ import annotations
 
 import json
+import signal
 import time
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from rlfactory_megatron.algorithms import compute_advantages
 from rlfactory_megatron.algorithms.rollout_correction import correction_settings, rollout_correction
 from rlfactory_megatron.models.builder import BuildOptions
 from rlfactory_megatron.models.hf_arch import load_arch
+from rlfactory_megatron.runtime.stop import StopRequest
 from rlfactory_megatron.trainer.data import PromptRecord, PromptSampler, load_prompts
 from rlfactory_megatron.trainer.dynamic_sampling import informative_rollouts
 from rlfactory_megatron.trainer.logger import MetricsLogger
@@ -73,6 +75,7 @@ class Trainer:
                              f"trainer.data_path rows a 'demonstration' column, or set trainer.sft_steps=0")
         self.sampler = PromptSampler(len(self.records), cfg.trainer.seed)
         self.step_index = 0
+        self.stopped_by: int | None = None  # the signal that stopped the run early (runtime/stop.py)
         self.logger = None
         self.plane = RolloutPlane(cfg, self.hf_dir, self.tokenizer, self.output)
         # Asynchronous RL: batches generated ahead of training (pipeline.py); None: synchronous steps.
@@ -256,14 +259,24 @@ class Trainer:
                 print(f"rlf-train: validation before RL: score {before['val/score_mean']:.3f} "
                       f"on {len(self.val_records)} held-out prompts", flush=True)
         last: dict[str, float] = {}
-        while self.step_index < self.cfg.trainer.total_steps:
-            last = self.step()
-            if self.cfg.trainer.val_every and self.step_index % self.cfg.trainer.val_every == 0:
-                last.update(self.validate())
-            if self.is_leader:
-                self.logger.log(self.step_index, last)
-            if self.cfg.trainer.save_every and self.step_index % self.cfg.trainer.save_every == 0:
-                self.save_checkpoint()
+        with StopRequest() as stop:
+            while self.step_index < self.cfg.trainer.total_steps:
+                last = self.step()
+                if self.cfg.trainer.val_every and self.step_index % self.cfg.trainer.val_every == 0:
+                    last.update(self.validate())
+                if self.is_leader:
+                    self.logger.log(self.step_index, last)
+                saved = self.cfg.trainer.save_every and self.step_index % self.cfg.trainer.save_every == 0
+                if saved:
+                    self.save_checkpoint()
+                self.stopped_by = stop.agreed()
+                if self.stopped_by is not None and self.step_index < self.cfg.trainer.total_steps:
+                    directory = self.save_checkpoint() if not saved else self._checkpoint_dir()
+                    if self.is_leader:
+                        print(f"rlf-train: stopped by {signal.Signals(self.stopped_by).name} after step "
+                              f"{self.step_index}/{self.cfg.trainer.total_steps}; checkpoint {directory}; rerun with "
+                              f"trainer.resume=auto (the default) to continue from it", flush=True)
+                    break
         return last
 
     def validate(self) -> dict[str, float]:
@@ -292,6 +305,9 @@ class Trainer:
         ahead = self.pipeline.state() if self.pipeline is not None else None
         return save_checkpoint(self.output, self.step_index, self.actor, self.critic, self.sampler,
                                self.cfg.trainer.keep_last, files={AHEAD_FILE: ahead} if ahead is not None else None)
+
+    def _checkpoint_dir(self) -> Path:
+        return self.output / "checkpoints" / f"step_{self.step_index:06d}"
 
     def _maybe_resume(self) -> None:
         directory = resume_directory(self.cfg.trainer.resume, self.output)

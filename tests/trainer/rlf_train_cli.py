@@ -69,3 +69,27 @@ def kill_after_checkpoint(tmp_path, run: str, checkpoint: str, *overrides) -> No
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+
+
+def stop_after_step(tmp_path, run: str, step: int, *overrides, signum=signal.SIGTERM, timeout=900):
+    """Start rlf-train, send `signum` to its process alone (as torchrun passes it on to its workers,
+    or `kill <pid>`) once it has logged `step`. Returns (exit status, output, its descendants at
+    the signal, seconds from the signal to its exit)."""
+    import psutil
+
+    args = [*SMALL, f"trainer.output_dir={tmp_path / run}", *overrides]
+    log_path = tmp_path / f"{run}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([str(BIN / "rlf-train"), *args], stdout=log, stderr=subprocess.STDOUT,
+                                env=env_for(tmp_path), start_new_session=True)
+    metrics = tmp_path / run / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while not (metrics.exists() and any(json.loads(line)["step"] >= step for line in metrics.read_text().splitlines())):
+        assert proc.poll() is None, log_path.read_text()[-3000:]
+        assert time.monotonic() < deadline, "step not reached in time"
+        time.sleep(0.2)
+    descendants = psutil.Process(proc.pid).children(recursive=True)
+    signalled = time.monotonic()
+    proc.send_signal(signum)
+    status = proc.wait(timeout=timeout)
+    return status, log_path.read_text(), descendants, time.monotonic() - signalled
