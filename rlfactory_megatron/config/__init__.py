@@ -142,6 +142,9 @@ def validate_static(cfg) -> None:
             raise ConfigError(f"trainer.task='{cfg.trainer.task}' is not a built-in task; choose one of: "
                               f"{', '.join(TASKS)} (or give trainer.data_path)")
     _validate_rollout(cfg)
+    if cfg.trainer.sft_cache and cfg.trainer.sft_steps == 0:
+        raise ConfigError(f"trainer.sft_cache={cfg.trainer.sft_cache} stores warm-starts, and this run has none "
+                          "(trainer.sft_steps=0); set trainer.sft_steps > 0 or trainer.sft_cache=null")
     if cfg.parallel.vpp is not None and cfg.parallel.pp < 2:
         raise ConfigError(f"parallel.vpp={cfg.parallel.vpp} needs parallel.pp >= 2 (or set parallel.vpp=null)")
     _check_rewards_and_tools(cfg)

@@ -158,6 +158,11 @@ class TrainerConfig:
     sft_batch_size: int = 32  # demonstrations per warm-start step
     sft_lr: float = 1e-3  # the warm-start's (peak) learning rate
     sft_lr_decay_style: str = "constant"  # constant | linear | cosine: the warm-start's LR from sft_lr towards 0 over sft_steps
+    # A folder of warm-start results (trainer/warm_start_cache.py): a run whose warm-start would
+    # equal a stored one (same model files, demonstrations, actor/model/parallel settings, sft_*,
+    # seed, total_steps, world size, threads) loads it instead of computing it; else it stores
+    # its own. All ranks must see the folder. null: every run computes its warm-start.
+    sft_cache: Optional[str] = None
     data_path: Optional[str] = None  # parquet/jsonl; None = the built-in task `trainer.task`
     val_data_path: Optional[str] = None  # None: a held-out set (a fresh draw of the task, or data_path's last rows)
     task: str = "calculator_arithmetic"  # a name in rlfactory_megatron.trainer.tasks.TASKS

@@ -10,6 +10,7 @@ rollout side (engines, their placement, the split of prompts, the routing of row
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import signal
 import time
@@ -35,6 +36,7 @@ from rlfactory_megatron.trainer.pipeline import AHEAD_FILE, RolloutPipeline
 from rlfactory_megatron.trainer.rollouts import RolloutPlane, Rollouts
 from rlfactory_megatron.trainer.sft import demonstration_rows, sft_warm_start
 from rlfactory_megatron.trainer.tasks import TASKS
+from rlfactory_megatron.trainer.warm_start_cache import WarmStartCache, warm_start_key
 
 # Validation trajectories shown as text in TensorBoard at each validation.
 VALIDATION_TEXTS = 3
@@ -297,7 +299,19 @@ class Trainer:
         """Supervised steps on the prompts' demonstrations (sft.py), then the weights to the engines."""
         rows = self.plane.broadcast(demonstration_rows(self.records, self.plane.manager, self.plane.tool_schemas,
                                                        self.cfg.rollout.max_prompt_tokens) if self.is_leader else None)
-        sft_warm_start(self.actor, rows, self.cfg.trainer, verbose=self.is_leader)
+        cache = (WarmStartCache(self.cfg.trainer.sft_cache, warm_start_key(self.cfg, self.hf_dir, rows))
+                 if self.cfg.trainer.sft_cache else None)
+        reused = cache.load(self.actor) if cache is not None else None
+        if reused is not None:
+            if self.is_leader:
+                print(f"rlf-train: SFT warm-start done ({reused['steps']} steps, loss {reused['loss']:.3f}; "
+                      f"reused from {cache.entry}, stored by {reused['run']})", flush=True)
+        else:
+            metrics = sft_warm_start(self.actor, rows, self.cfg.trainer, verbose=self.is_leader)
+            if cache is not None:
+                cache.store(self.actor, {"steps": self.cfg.trainer.sft_steps, "loss": metrics["sft/loss"],
+                                         "run": str(self.output.resolve())},
+                            run_id=hashlib.sha256(str(self.output.resolve()).encode()).hexdigest()[:12])
         self._sync_weights()
 
     # ------------------------------------------------------------------ checkpoints

@@ -53,6 +53,8 @@ CASES = [
     (["trainer.max_staleness=-1"], "trainer.max_staleness=-1 must be >= 0"),
     (["trainer.max_staleness=1"], "trainer.max_staleness=1 needs rollout.mode=disaggregated"),
     (["trainer.partial_rollout=true"], "trainer.partial_rollout=true lands weight updates in batches still generating"),
+    (["trainer.sft_cache=/tmp/warm-starts", "trainer.sft_steps=0"],
+     "trainer.sft_cache=/tmp/warm-starts stores warm-starts, and this run has none (trainer.sft_steps=0)"),
     (["rollout.mode=disaggregated", "rollout.num_engines=1", "trainer.max_staleness=1", "trainer.algorithm=dapo"],
      "trainer.algorithm=dapo (dynamic sampling refills a step's groups from its rewards) is synchronous only"),
     (["actor.policy_loss=clipp"], "actor.policy_loss='clipp' is not allowed"),

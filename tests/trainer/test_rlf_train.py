@@ -21,9 +21,13 @@ RESUMED_RUN = ("trainer.total_steps=4", "actor.optim.warmup_steps=4", "actor.opt
 
 
 def test_killed_run_resumes_and_continues_exactly(tmp_path):
-    full = rlf_train(tmp_path, "full", *RESUMED_RUN)
+    # The killed run loads the warm-start the full run stored (trainer.sft_cache): the exact
+    # comparison below covers that too.
+    warm_starts = f"trainer.sft_cache={tmp_path / 'warm-starts'}"
+    full = rlf_train(tmp_path, "full", *RESUMED_RUN, warm_starts)
     assert full.returncode == 0, full.stderr[-3000:]
     assert "SFT warm-start done" in full.stdout and "validation before RL" in full.stdout
+    assert "reused from" not in full.stdout
     assert "step 4/4 | reward" in full.stdout
     run = tmp_path / "full"
     uninterrupted = records(run)
@@ -55,8 +59,9 @@ def test_killed_run_resumes_and_continues_exactly(tmp_path):
                 assert all(r.advantages[r.loss_mask == 0] == 0)  # nothing to learn from tool output
     assert (run / "cache" / "tool_artifacts").is_dir()
 
-    kill_after_checkpoint(tmp_path, "killed", "step_000002", *RESUMED_RUN)
-    resumed = rlf_train(tmp_path, "killed", *RESUMED_RUN)
+    kill_after_checkpoint(tmp_path, "killed", "step_000002", *RESUMED_RUN, warm_starts)
+    assert f"reused from {tmp_path / 'warm-starts'}" in (tmp_path / "killed.log").read_text()
+    resumed = rlf_train(tmp_path, "killed", *RESUMED_RUN, warm_starts)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "step_000002 at step 2" in resumed.stdout
     assert "SFT warm-start done" not in resumed.stdout  # warm-start belongs to a fresh run only
