@@ -23,6 +23,12 @@ from rlfactory_megatron.rollout.engines import RolloutEngine, SamplingConfig
 _SAMPLING_KEYS = frozenset(f.name for f in dataclasses.fields(SamplingConfig))
 
 
+class EngineStepError(RuntimeError):
+    """The engine failed a step: the requests it ran are lost, and its state is unknown (vLLM's
+    own engine is dead after one). The front serves no further request; the router counts the
+    engine as failed (its requests run again elsewhere) and its owner replaces it."""
+
+
 def sampling_config(sampling: dict[str, Any]) -> SamplingConfig:
     """The agent loop's sampling dict as a SamplingConfig; unknown keys and `n != 1` are errors."""
     unknown = set(sampling) - _SAMPLING_KEYS
@@ -177,9 +183,12 @@ class StreamingEngine:
         # A thread of its own: the loop's default executor also runs tools' blocking calls.
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
         self._stopping = False  # set by close: the step thread returns after its current step
+        self.failure: EngineStepError | None = None  # set by a failed step, for good
 
     async def generate(self, prompt_token_ids: list[int], sampling: dict[str, Any]) -> tuple[list[int], list[float]]:
         config = sampling_config(sampling)  # bad keys fail in the caller, not in the engine
+        if self.failure is not None:
+            raise self.failure
         if self._worker is None or self._worker.done():
             # First call, or the previous event loop is gone (and with it its waiting callers).
             self._orphans += list(self._running)
@@ -199,7 +208,7 @@ class StreamingEngine:
             await asyncio.gather(self._step, return_exceptions=True)
             self._step = None
         stale = list(self._running) + self._orphans
-        if stale:
+        if stale and self.failure is None:  # a failed engine is replaced, not cleaned
             await asyncio.to_thread(self.engine.abort, stale)
         if self._thread is not None:
             self._thread.shutdown(wait=False)
@@ -232,12 +241,15 @@ class StreamingEngine:
                 refused, finished, steps = await asyncio.shield(self._step)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # every running caller sees the engine's failure
-                for request in self._running.values():
+            except Exception as exc:  # every caller, running or waiting, sees the engine's failure
+                self.failure = EngineStepError(f"the engine failed a step: {type(exc).__name__}: "
+                                               f"{str(exc).strip()[:300]}")
+                self.failure.__cause__ = exc
+                for request in [*self._running.values(), *(r for _, r in self._arrivals)]:
                     if not request.done.done():
-                        request.done.set_exception(exc)
-                self._orphans, self._running = list(self._running), {}
-                continue
+                        request.done.set_exception(self.failure)
+                self._orphans, self._running, self._arrivals = list(self._running), {}, []
+                return
             finally:
                 self.busy_s += time.perf_counter() - started
             self._step = None

@@ -744,10 +744,13 @@ ENGINE_PING_TIMEOUT_S = 120
 
 
 def _engine_died(exc: BaseException) -> bool:
-    """Whether an engine call failed because its Ray actor is gone (its requests can run elsewhere)."""
+    """Whether an engine call failed because the engine is gone (its requests can run elsewhere):
+    its Ray actor died, or the vLLM engine inside failed a step while the actor lives on."""
     from ray.exceptions import RayActorError
 
-    return isinstance(exc, RayActorError)
+    from rlfactory_megatron.rollout.async_engine import EngineStepError
+
+    return isinstance(exc, (RayActorError, EngineStepError))
 
 
 def _report_sandboxes(specs) -> None:

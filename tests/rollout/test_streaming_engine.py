@@ -5,7 +5,8 @@ import asyncio
 
 import pytest
 
-from rlfactory_megatron.rollout.async_engine import AsyncBatchingEngine, StreamingEngine, sampling_config, serving
+from rlfactory_megatron.rollout.async_engine import (
+    AsyncBatchingEngine, EngineStepError, StreamingEngine, sampling_config, serving)
 
 pytestmark = pytest.mark.slow
 
@@ -110,6 +111,40 @@ def test_closing_with_requests_in_flight_cancels_their_callers_and_empties_the_e
     # A new event loop (the next rollout phase) is served again.
     ids, _ = asyncio.run(_once(engine))
     assert len(ids) == 5
+
+
+def test_a_failed_engine_step_fails_every_caller_and_the_front_serves_no_more(engine):
+    # A fault injected at the engine's step (as a vLLM engine whose core died raises there): the
+    # callers see EngineStepError, which the router takes as the engine's death, and a new call
+    # is refused at once instead of waiting on a broken engine.
+    steps = 0
+
+    def failing_step():
+        nonlocal steps
+        steps += 1
+        if steps == 3:
+            raise RuntimeError("injected: the engine core died")
+        return type(engine).step(engine)
+
+    async def go():
+        front = StreamingEngine(engine)
+        engine.step = failing_step
+        try:
+            results = await asyncio.gather(*(front.generate(p, {"max_tokens": 50, "seed": i})
+                                             for i, p in enumerate(PROMPTS)), return_exceptions=True)
+            with pytest.raises(EngineStepError, match="injected"):
+                await front.generate(PROMPTS[0], {"max_tokens": 2})
+            return results, list(front._orphans)
+        finally:
+            del engine.step
+            await front.close()
+
+    results, left_in_engine = asyncio.run(go())
+    engine.abort(left_in_engine)  # this test's leftovers, for the next tests on the shared engine
+    failed = [r for r in results if isinstance(r, EngineStepError)]
+    assert failed and all(isinstance(r, (EngineStepError, tuple)) for r in results), results
+    assert "the engine failed a step: RuntimeError: injected" in str(failed[0])
+    assert not engine.llm.llm_engine.has_unfinished_requests()
 
 
 async def _once(engine):
