@@ -30,6 +30,7 @@ def _assert_every_engine_generated(run_records, engines: int):
 
 
 def test_two_engines_colocated_or_disaggregated_make_the_samples_one_engine_makes(tmp_path):
+    # 1 engine on 1 rank; 2 colocated engines on 2 ranks; 2 disaggregated engines for 1 rank, and for 2.
     one = rlf_train(tmp_path, "one", *RUN)
     assert one.returncode == 0, one.stderr[-3000:]
     two = torchrun_train(tmp_path, "two", 2, *RUN)
@@ -38,11 +39,16 @@ def test_two_engines_colocated_or_disaggregated_make_the_samples_one_engine_make
     # Two engines of their own (Ray actors) behind rank 0's router, fed through one broadcast group.
     pool = rlf_train(tmp_path, "pool", *RUN, "rollout.mode=disaggregated", "rollout.num_engines=2")
     assert pool.returncode == 0, pool.stderr[-3000:]
+    # The same pool feeding two training ranks (dp=2): rank 0 routes, each rank trains its rows.
+    pool_dp = torchrun_train(tmp_path, "pool_dp", 2, *RUN, "rollout.mode=disaggregated", "rollout.num_engines=2")
+    assert pool_dp.returncode == 0, pool_dp.stderr[-3000:]
     first, second, pooled = records(tmp_path / "one"), records(tmp_path / "two"), records(tmp_path / "pool")
+    pooled_dp = records(tmp_path / "pool_dp")
     _assert_every_engine_generated(first, 1)
     _assert_every_engine_generated(second, 2)
     _assert_every_engine_generated(pooled, 2)
-    for record in second[1:]:  # each DP rank received and trained on its own part of the 4 rows
+    _assert_every_engine_generated(pooled_dp, 2)
+    for record in second[1:] + pooled_dp[1:]:  # each DP rank received and trained on its own part of the 4 rows
         assert record["train/dp_rows_min"] >= 1 and record["train/dp_rows_min"] + record["train/dp_rows_max"] == 4
         assert record["train/dp_token_imbalance"] >= 1.0
     assert all(r["train/dp_rows_min"] == 4 for r in first[1:] + pooled[1:])
@@ -52,8 +58,8 @@ def test_two_engines_colocated_or_disaggregated_make_the_samples_one_engine_make
     alone, together = stored_trajectories(tmp_path / "one"), stored_trajectories(tmp_path / "two")
     assert sorted(together) == sorted(alone) == [(s, f"{r:05d}") for s in (1, 2, 3) for r in range(4)]
     assert together == alone  # the same token ids, masks and rewards
-    assert stored_trajectories(tmp_path / "pool") == alone
-    for run in (second, pooled):
+    assert stored_trajectories(tmp_path / "pool") == stored_trajectories(tmp_path / "pool_dp") == alone
+    for run in (second, pooled, pooled_dp):
         assert [r["step"] for r in run] == [r["step"] for r in first] == [0, 1, 2, 3]
         for mine, theirs in zip(run, first):
             compared = {k for k in theirs if not any(t in k for t in TIMING_KEYS + LAYOUT_KEYS)}
