@@ -11,11 +11,15 @@ import torch.distributed as dist
 STATE_FILE = "trainer_state.json"
 
 
+def checkpoint_dir(output: Path, step: int) -> Path:
+    return output / "checkpoints" / f"step_{step:06d}"
+
+
 def save_checkpoint(output: Path, step: int, actor, critic, sampler, keep_last: int,
                     files: dict[str, bytes] | None = None) -> Path:
     """Collective: every rank saves its shards; rank 0 writes `files` (name -> bytes), then the
     state last (its presence marks the checkpoint complete) and drops the oldest checkpoints."""
-    directory = output / "checkpoints" / f"step_{step:06d}"
+    directory = checkpoint_dir(output, step)
     actor.engine.check_finite("the checkpoint")
     actor.engine.save(directory / "actor")
     if critic is not None:

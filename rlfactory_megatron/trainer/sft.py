@@ -43,10 +43,18 @@ def sft_lr_at(step: int, steps: int, lr: float, style: str) -> float:
     return lr
 
 
-def sft_warm_start(actor, rows: list[tuple[list[int], list[int]]], cfg, verbose: bool) -> dict[str, float]:
+def sft_warm_start(actor, rows: list[tuple[list[int], list[int]]], cfg, verbose: bool,
+                   cache=None) -> dict[str, float]:
     """trainer.sft_steps optimizer steps from trainer.sft_lr (constant, or decayed towards 0 by
     trainer.sft_lr_decay_style), each on a fresh seeded draw of trainer.sft_batch_size rows;
-    progress with rate and ETA every 10 steps."""
+    progress with rate and ETA every 10 steps. With a `cache` (warm_start_cache.py) holding this
+    warm-start, the actor loads it instead; without, the result is stored there."""
+    reused = cache.load(actor) if cache is not None else None
+    if reused is not None:
+        if verbose:
+            print(f"rlf-train: SFT warm-start done ({reused['steps']} steps, loss {reused['loss']:.3f}; "
+                  f"reused from {cache.entry}, stored by {reused['run']})", flush=True)
+        return {"sft/loss": reused["loss"]}
     rng = random.Random(cfg.seed)
     start = time.perf_counter()
     metrics: dict[str, float] = {}
@@ -61,4 +69,6 @@ def sft_warm_start(actor, rows: list[tuple[list[int], list[int]]], cfg, verbose:
                       f"| ETA {int(elapsed / done * (cfg.sft_steps - done))}s", flush=True)
     if verbose:
         print(f"rlf-train: SFT warm-start done ({cfg.sft_steps} steps, loss {metrics['sft/loss']:.3f})")
+    if cache is not None:
+        cache.store(actor, {"steps": cfg.sft_steps, "loss": metrics["sft/loss"]})
     return metrics

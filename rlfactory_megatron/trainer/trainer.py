@@ -10,7 +10,6 @@ rollout side (engines, their placement, the split of prompts, the routing of row
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import signal
 import time
@@ -31,7 +30,7 @@ from rlfactory_megatron.trainer.data import PromptRecord, PromptSampler, load_pr
 from rlfactory_megatron.trainer.dynamic_sampling import informative_rollouts
 from rlfactory_megatron.trainer.logger import MetricsLogger
 from rlfactory_megatron.trainer.presets import apply_preset
-from rlfactory_megatron.trainer.checkpoint import load_checkpoint, resume_directory, save_checkpoint
+from rlfactory_megatron.trainer.checkpoint import checkpoint_dir, load_checkpoint, resume_directory, save_checkpoint
 from rlfactory_megatron.trainer.pipeline import AHEAD_FILE, RolloutPipeline
 from rlfactory_megatron.trainer.rollouts import RolloutPlane, Rollouts
 from rlfactory_megatron.trainer.sft import demonstration_rows, sft_warm_start
@@ -273,7 +272,7 @@ class Trainer:
                     self.save_checkpoint()
                 self.stopped_by = stop.agreed()
                 if self.stopped_by is not None and self.step_index < self.cfg.trainer.total_steps:
-                    directory = self.save_checkpoint() if not saved else self._checkpoint_dir()
+                    directory = self.save_checkpoint() if not saved else checkpoint_dir(self.output, self.step_index)
                     if self.is_leader:
                         print(f"rlf-train: stopped by {signal.Signals(self.stopped_by).name} after step "
                               f"{self.step_index}/{self.cfg.trainer.total_steps}; checkpoint {directory}; rerun with "
@@ -299,19 +298,9 @@ class Trainer:
         """Supervised steps on the prompts' demonstrations (sft.py), then the weights to the engines."""
         rows = self.plane.broadcast(demonstration_rows(self.records, self.plane.manager, self.plane.tool_schemas,
                                                        self.cfg.rollout.max_prompt_tokens) if self.is_leader else None)
-        cache = (WarmStartCache(self.cfg.trainer.sft_cache, warm_start_key(self.cfg, self.hf_dir, rows))
+        cache = (WarmStartCache(self.cfg.trainer.sft_cache, warm_start_key(self.cfg, self.hf_dir, rows), self.output)
                  if self.cfg.trainer.sft_cache else None)
-        reused = cache.load(self.actor) if cache is not None else None
-        if reused is not None:
-            if self.is_leader:
-                print(f"rlf-train: SFT warm-start done ({reused['steps']} steps, loss {reused['loss']:.3f}; "
-                      f"reused from {cache.entry}, stored by {reused['run']})", flush=True)
-        else:
-            metrics = sft_warm_start(self.actor, rows, self.cfg.trainer, verbose=self.is_leader)
-            if cache is not None:
-                cache.store(self.actor, {"steps": self.cfg.trainer.sft_steps, "loss": metrics["sft/loss"],
-                                         "run": str(self.output.resolve())},
-                            run_id=hashlib.sha256(str(self.output.resolve()).encode()).hexdigest()[:12])
+        sft_warm_start(self.actor, rows, self.cfg.trainer, verbose=self.is_leader, cache=cache)
         self._sync_weights()
 
     # ------------------------------------------------------------------ checkpoints
@@ -319,9 +308,6 @@ class Trainer:
         ahead = self.pipeline.state() if self.pipeline is not None else None
         return save_checkpoint(self.output, self.step_index, self.actor, self.critic, self.sampler,
                                self.cfg.trainer.keep_last, files={AHEAD_FILE: ahead} if ahead is not None else None)
-
-    def _checkpoint_dir(self) -> Path:
-        return self.output / "checkpoints" / f"step_{self.step_index:06d}"
 
     def _maybe_resume(self) -> None:
         directory = resume_directory(self.cfg.trainer.resume, self.output)

@@ -69,8 +69,9 @@ class WarmStartCache:
     """One entry (`<trainer.sft_cache>/<key>`); every method is collective over the run's ranks,
     which must see the same folder (as they do the checkpoints)."""
 
-    def __init__(self, root: str, key: str) -> None:
+    def __init__(self, root: str, key: str, output: Path) -> None:
         self.entry = Path(root) / key
+        self.run = str(Path(output).resolve())  # recorded with what it stores, and names its partial entry
 
     def load(self, actor) -> dict | None:
         """The warm-start's record if the entry is complete (the actor then holds its state), else None."""
@@ -83,10 +84,11 @@ class WarmStartCache:
             actor.engine.load(self.entry / "actor")
         return record[0]
 
-    def store(self, actor, record: dict, run_id: str) -> None:
+    def store(self, actor, record: dict) -> None:
         """Written beside the entry, then renamed into place: a run killed meanwhile, or another
         run storing the same key at the same time, never leaves a partial entry in it."""
-        partial = self.entry.with_name(f"{self.entry.name}.partial-{run_id}")
+        record = {**record, "run": self.run}
+        partial = self.entry.with_name(f"{self.entry.name}.partial-{hashlib.sha256(self.run.encode()).hexdigest()[:12]}")
         if dist.get_rank() == 0:
             shutil.rmtree(partial, ignore_errors=True)
         actor.engine.save(partial / "actor")  # collective; it makes the folder
