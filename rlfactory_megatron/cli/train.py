@@ -36,8 +36,10 @@ def _train_rank(config_yaml: str, hf_dir: str, verbose: bool) -> dict:
 
 def _train(cfg, hf_dir: str) -> dict:
     from rlfactory_megatron.runtime.distributed import ParallelSizes, destroy_distributed, init_distributed
+    from rlfactory_megatron.runtime.stop import ignore_usr1_in_helpers
     from rlfactory_megatron.trainer.trainer import Trainer
 
+    ignore_usr1_in_helpers()  # before Ray, vLLM and tools start (runtime/stop.py)
     init_distributed(ParallelSizes(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp), seed=cfg.trainer.seed)
     trainer = None
     failed = True

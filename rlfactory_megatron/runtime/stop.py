@@ -5,6 +5,13 @@ SIGTERM (SIGKILL follows after `KillWait`), `#SBATCH --signal=USR1@120` sends SI
 the time limit, and torchrun forwards SIGTERM to its workers (SIGKILL after 30 s). Without this
 the run would die mid-step and lose everything since its last periodic checkpoint.
 
+Slurm delivers a signal to every process of the job step: Ray's and vLLM's too, which SIGUSR1's
+default action would end. So a rank ignores SIGUSR1 before it starts any of them
+(`ignore_usr1_in_helpers`): an ignored disposition survives fork and exec, and the processes they
+start (Ray's raylet and workers, tool actors and their sandboxes, engine processes) inherit it;
+the rank itself then takes it with the handler. SIGTERM is left to end them (it is also how a
+job is cancelled outright), so under Slurm a graceful stop is SIGUSR1's.
+
 The handler only records the signal; `StopRequest.agreed()` is a collective at a step boundary
 so that every rank stops after the same step (a signal reaches the ranks at different moments).
 A second signal ends the process at once, as if no handler were installed. The exit status is
@@ -18,6 +25,13 @@ import sys
 import threading
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def ignore_usr1_in_helpers() -> None:
+    """Before this process starts any other: they and theirs ignore SIGUSR1 (see above). Until a
+    StopRequest takes it, this process ignores it too."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 class StopRequest:

@@ -250,17 +250,18 @@ class Trainer:
 
     # ------------------------------------------------------------------ the run
     def fit(self) -> dict[str, float]:
-        self._maybe_resume()
-        if self.cfg.trainer.sft_steps > 0 and self.step_index == 0:
-            self.sft_warm_start()
-        if self.cfg.trainer.val_every and self.step_index == 0:
-            before = self.validate()  # the baseline the run's validation curve starts from
-            if self.is_leader:
-                self.logger.log(0, before, progress=False)
-                print(f"rlf-train: validation before RL: score {before['val/score_mean']:.3f} "
-                      f"on {len(self.val_records)} held-out prompts", flush=True)
-        last: dict[str, float] = {}
+        # A stop signal from here on (runtime/stop.py) ends the run after the RL step under way.
         with StopRequest() as stop:
+            self._maybe_resume()
+            if self.cfg.trainer.sft_steps > 0 and self.step_index == 0:
+                self.sft_warm_start()
+            if self.cfg.trainer.val_every and self.step_index == 0:
+                before = self.validate()  # the baseline the run's validation curve starts from
+                if self.is_leader:
+                    self.logger.log(0, before, progress=False)
+                    print(f"rlf-train: validation before RL: score {before['val/score_mean']:.3f} "
+                          f"on {len(self.val_records)} held-out prompts", flush=True)
+            last: dict[str, float] = {}
             while self.step_index < self.cfg.trainer.total_steps:
                 last = self.step()
                 if self.cfg.trainer.val_every and self.step_index % self.cfg.trainer.val_every == 0:
@@ -270,15 +271,22 @@ class Trainer:
                 saved = self.cfg.trainer.save_every and self.step_index % self.cfg.trainer.save_every == 0
                 if saved:
                     self.save_checkpoint()
-                self.stopped_by = stop.agreed()
-                if self.stopped_by is not None and self.step_index < self.cfg.trainer.total_steps:
-                    directory = self.save_checkpoint() if not saved else checkpoint_dir(self.output, self.step_index)
-                    if self.is_leader:
-                        print(f"rlf-train: stopped by {signal.Signals(self.stopped_by).name} after step "
-                              f"{self.step_index}/{self.cfg.trainer.total_steps}; checkpoint {directory}; rerun with "
-                              f"trainer.resume=auto (the default) to continue from it", flush=True)
+                if self._stopped(stop, saved):
                     break
         return last
+
+    def _stopped(self, stop: StopRequest, saved: bool) -> bool:
+        """After a step: whether a stop signal reached any rank; if so, the run is checkpointed
+        here (this step's checkpoint, if it has one)."""
+        self.stopped_by = stop.agreed()
+        if self.stopped_by is None or self.step_index >= self.cfg.trainer.total_steps:
+            return False
+        directory = checkpoint_dir(self.output, self.step_index) if saved else self.save_checkpoint()
+        if self.is_leader:
+            print(f"rlf-train: stopped by {signal.Signals(self.stopped_by).name} after step "
+                  f"{self.step_index}/{self.cfg.trainer.total_steps}; checkpoint {directory}; rerun with "
+                  f"trainer.resume=auto (the default) to continue from it", flush=True)
+        return True
 
     def validate(self) -> dict[str, float]:
         """Greedy rollouts on held-out prompts, on every engine; mean score = accuracy for 0/1 scorers.

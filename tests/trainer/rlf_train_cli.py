@@ -71,10 +71,11 @@ def kill_after_checkpoint(tmp_path, run: str, checkpoint: str, *overrides) -> No
     proc.wait()
 
 
-def stop_after_step(tmp_path, run: str, step: int, *overrides, signum=signal.SIGTERM, timeout=900):
-    """Start rlf-train, send `signum` to its process alone (as torchrun passes it on to its workers,
-    or `kill <pid>`) once it has logged `step`. Returns (exit status, output, its descendants at
-    the signal, seconds from the signal to its exit)."""
+def stop_after_step(tmp_path, run: str, step: int, *overrides, signum=signal.SIGTERM, everyone=False, timeout=900):
+    """Start rlf-train, send `signum` once it has logged `step`: to its process alone (as torchrun
+    passes it on to its workers, or `kill <pid>`), or with `everyone` to it and every process it
+    started (as Slurm signals a job step: Ray's, vLLM's, the tools'). Returns (exit status,
+    output, its descendants at the signal, seconds from the signal to its exit)."""
     import psutil
 
     args = [*SMALL, f"trainer.output_dir={tmp_path / run}", *overrides]
@@ -90,6 +91,11 @@ def stop_after_step(tmp_path, run: str, step: int, *overrides, signum=signal.SIG
         time.sleep(0.2)
     descendants = psutil.Process(proc.pid).children(recursive=True)
     signalled = time.monotonic()
+    for process in descendants if everyone else []:
+        try:
+            process.send_signal(signum)
+        except psutil.NoSuchProcess:
+            pass
     proc.send_signal(signum)
     status = proc.wait(timeout=timeout)
     return status, log_path.read_text(), descendants, time.monotonic() - signalled
