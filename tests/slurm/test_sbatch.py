@@ -1,7 +1,8 @@
 """The sbatch templates on a real Slurm (slurmctld, two slurmd "nodes", munge): a two-node
 training job starts Ray's head and worker, runs torchrun on both nodes (DP across them), trains,
 writes metrics, stops Ray and exits 0; a job whose rank is killed ends non-zero within a bounded
-time with the failing rank in its log and no allocation left; the conversion template converts."""
+time with the failing rank in its log and no allocation left; SIGUSR1 to a job stops its rank
+after a step with a checkpoint; the conversion template converts."""
 import json
 import os
 import re
@@ -113,6 +114,34 @@ def test_killed_rank_ends_the_job_non_zero(slurm, tmp_path):
         except ProcessLookupError:
             pass
     assert not left, f"processes outlived the killed job: {left}"
+
+
+def test_usr1_stops_the_job_after_a_step_with_a_checkpoint(slurm, tmp_path):
+    # What Slurm sends before the time limit (#SBATCH --signal=USR1@300), to every process of
+    # the job's steps, Ray's and torchrun's included: only the rank acts on it.
+    work = workdir(tmp_path)
+    env = {**slurm.env(), **block_env(tmp_path), "MASTER_PORT": str(free_ports(1)[0])}
+    args = [*TINY, "trainer.total_steps=50", "trainer.output_dir=outputs/stopped"]
+    submitted = subprocess.run(["sbatch", "--parsable", "--nodes=1", *CPU_NODES, "slurm/train.sbatch", *args],
+                               cwd=work, env=env, capture_output=True, text=True, check=True)
+    job = submitted.stdout.strip().split(";")[0]
+    run = work / "outputs" / "stopped"
+    deadline = time.monotonic() + 900
+    while not ((run / "metrics.jsonl").exists() and '"step": 1' in (run / "metrics.jsonl").read_text()):
+        assert time.monotonic() < deadline and job in slurm.squeue(), _job_output(work, job)[-3000:]
+        time.sleep(1)
+    subprocess.run(["scancel", "--signal=USR1", job], env=env, check=True)
+    signalled = time.monotonic()
+    while job in slurm.squeue():
+        assert time.monotonic() - signalled < 180, "the job did not stop within 3 minutes of SIGUSR1"
+        time.sleep(1)
+    log = _job_output(work, job)
+    stopped = re.search(r"stopped by SIGUSR1 after step (\d+)/50; checkpoint (\S+);", log)
+    assert stopped, log[-3000:]
+    assert (work / stopped.group(2) / "trainer_state.json").is_file()  # relative to the job's folder
+    assert "training exited with status 0" not in log  # the run did not finish
+    assert slurm.squeue() == ""
+    assert _ray_processes_of(20000 + int(job) % 20000 + 1) == []
 
 
 def _cmdline(pid: int) -> str:
