@@ -4,7 +4,9 @@ Its warm-start demonstrations call the calculator on 3 prompts in 10 and answer 
 the others, so the warm-started policy calls the tool in about one sample in five and, too small
 to do arithmetic itself, is mostly wrong without it. GRPO has to discover that the tool call
 pays: held-out accuracy, the mean reward and the share of samples calling the tool all rise.
-The run is the real default (~3 minutes here); the margins are well below those measured over
+The run is the real default (~3 minutes here), with a warm-start cache the two tests share
+(trainer.sft_cache: whichever runs second loads the state the first computed, which is exactly
+what it would compute; tested in test_rlf_train.py's resume); the margins are well below those measured over
 6 seeds and 3 thread settings (`rlf-bench learn`: held-out gains 0.60-0.82, reward gains 0.19-0.37),
 so that another machine's float rounding cannot flip the verdict.
 """
