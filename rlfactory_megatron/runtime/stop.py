@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -58,8 +57,9 @@ class StopRequest:
             os.kill(os.getpid(), signum)
             return
         self.signum = signum
-        print(f"rlf-train: {signal.Signals(signum).name} received: stopping after this step with a checkpoint "
-              f"(send it again to stop at once)", file=sys.stderr, flush=True)
+        if os.environ.get("RANK", "0") == "0":  # on the console (a rank's stderr goes to its log), once
+            print(f"rlf-train: {signal.Signals(signum).name} received: stopping after this step with a "
+                  f"checkpoint (send it again to stop at once)", flush=True)
 
     def agreed(self) -> int | None:
         """Collective over all ranks: the signal any rank received (None if none did), so that all

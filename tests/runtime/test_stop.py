@@ -1,6 +1,7 @@
 """A stop signal ends every rank after the same step (runtime/stop.py), whether it reaches one
-rank only (signals reach a job's processes at different moments) or the parent that spawned the
-ranks (`kill <pid>` of a run started by hand), which passes it on."""
+rank only (signals reach a job's processes at different moments; rank 0 here, which says so on
+the console) or the parent that spawned the ranks (`kill <pid>` of a run started by hand),
+which passes it on."""
 import json
 import os
 import signal
@@ -23,7 +24,7 @@ def _run(tmp_path, target: str, signum: int) -> list:
         assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() is not None else "slow"
         time.sleep(0.1)
     pids = json.loads(pids_file.read_text())
-    os.kill(proc.pid if target == "parent" else pids[1], signum)
+    os.kill(proc.pid if target == "parent" else pids[0], signum)
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, output[-3000:]
     assert f"{signal.Signals(signum).name} received: stopping after this step" in output

@@ -91,6 +91,7 @@ def test_async_batches_are_at_most_max_staleness_old_and_a_killed_or_stopped_run
     status, output, descendants, seconds = stop_after_step(tmp_path, "stopped", 1, *run, "trainer.save_every=0",
                                                            signum=signal.SIGUSR1, everyone=True)
     assert status == 128 + signal.SIGUSR1, output[-3000:]
+    assert "rlf-train: SIGUSR1 received: stopping after this step" in output  # on the console at once
     stopped_at = int(re.search(r"stopped by SIGUSR1 after step (\d)/4", output).group(1))
     assert stopped_at in (1, 2) and "step 4/4" not in output  # it stopped at the next step boundary
     checkpoint = tmp_path / "stopped" / "checkpoints" / f"step_{stopped_at:06d}"
