@@ -1,5 +1,4 @@
-"""Suite-wide fixtures: tiny random-weight HF checkpoints built once per session (no downloads),
-one Ray, a warm-start cache shared by the workers; the order tests run in."""
+"""Suite-wide fixtures: tiny random-weight HF checkpoints built once per session (no downloads)."""
 import os
 from pathlib import Path
 
@@ -22,16 +21,6 @@ def tiny_hf_dirs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("tiny_hf")
     return {name: str(make_tiny_hf_model(name, root / name, **kw)) for name, kw in TINY_VARIANTS.items()}
-
-
-@pytest.fixture(scope="session")
-def warm_start_cache(tmp_path_factory) -> Path:
-    """A trainer.sft_cache folder for the whole run of the suite, seen by every xdist worker
-    (each worker's tmp_path_factory folders are its own; their parent is the run's)."""
-    base = tmp_path_factory.getbasetemp()
-    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "warm-starts"
-    folder.mkdir(exist_ok=True)
-    return folder
 
 
 @pytest.fixture(scope="session")

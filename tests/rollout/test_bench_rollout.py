@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 def test_bench_rollout_reports_scaling_and_sync_times(tmp_path):
     out = tmp_path / "figures.json"
     subprocess.run([sys.executable, "-m", "rlfactory_megatron.cli.bench", "rollout", "--prompts", "8", "--max-tokens",
-                    "16", "--prompt-tokens", "16", "--hidden", "128", "--layers", "2", "--json", str(out)],
+                    "16", "--prompt-tokens", "16", "--hidden", "128", "--layers", "2", "--rounds", "2", "--json", str(out)],
                    check=True, timeout=600, capture_output=True)
     figures = json.loads(out.read_text())
     assert figures["same_samples"]  # where a seeded request runs never changes what it generates
@@ -21,3 +21,5 @@ def test_bench_rollout_reports_scaling_and_sync_times(tmp_path):
     assert len(figures["two_engines"]["engine_busy_s"]) == 2 and all(b > 0 for b in figures["two_engines"]["engine_busy_s"])
     assert figures["scaling_efficiency"] > 0 and figures["two_engines"]["imbalance"] >= 1.0
     assert figures["sync_one_engine_s"] > 0 and figures["sync_two_over_one"] > 0
+    # Two rounds, each count first once: every round's figures beside the medians.
+    assert len(figures["one_engine"]["tokens_per_s_per_round"]) == len(figures["scaling_efficiency_per_round"]) == 2
