@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from rlfactory_megatron.rollout.engines import Generation, SamplingConfig, VLLMEngine
-from rlfactory_megatron.rollout.weight_sync import TRANSPORTS, Transport
+from rlfactory_megatron.rollout.weight_sync import TRANSPORTS, EngineLostError, Transport
 
 
 def _weight_group(host: str, port: int, rank: int, size: int, backend: str, timeout_s: float, store=None):
@@ -188,8 +188,51 @@ class BroadcastTransport(Transport):
         flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket]).to(self.device)
         layout = _layout(bucket)
         received = [engine.actor.receive_bucket.remote(layout) for engine in self.engines]
-        _broadcast_from_sender(self.group, flat)
-        self._ray.get(received)
+        try:
+            _broadcast_from_sender(self.group, flat)
+            self._ray.get(received)
+        except Exception as exc:  # noqa: BLE001 - sorted out below
+            self._raise_lost(received, exc)
 
     def finish(self):
-        self._ray.get([engine.actor.finish_weight_update.remote() for engine in self.engines])
+        finished = [engine.actor.finish_weight_update.remote() for engine in self.engines]
+        try:
+            self._ray.get(finished)
+        except Exception as exc:  # noqa: BLE001 - sorted out below
+            self._raise_lost(finished, exc)
+
+    def _raise_lost(self, calls: list, exc: Exception) -> None:
+        """An engine that died takes the group with it: the others' calls end with an error, or
+        wait in the broken broadcast (gloo until its timeout, NCCL for good). Engines whose call
+        failed because their actor died, or that still wait after WEDGED_AFTER_S, are lost (their
+        owner replaces them); the others end their update, so that they serve until the sync runs
+        again. Any other failure is the caller's, as it was."""
+        from ray.exceptions import RayActorError
+
+        done, _ = self._ray.wait(calls, num_returns=len(calls), timeout=WEDGED_AFTER_S)
+        lost, whys = [], []
+        for index, call in enumerate(calls):
+            try:
+                if call in done:
+                    self._ray.get(call)
+                    continue
+                why = f"still in the broken broadcast after {WEDGED_AFTER_S:.0f} s"
+            except RayActorError as died:
+                why = f"{type(died).__name__}: {str(died).strip().splitlines()[0] if str(died).strip() else ''}"
+            except Exception:  # noqa: BLE001 - the group broke under this live engine: it stays
+                continue
+            lost.append(index)
+            whys.append(f"engine {index}: {why}")
+        if not lost:
+            raise exc
+        survivors = [engine.actor.finish_weight_update.remote() for index, engine in enumerate(self.engines)
+                     if index not in lost]
+        try:
+            self._ray.get(survivors, timeout=WEDGED_AFTER_S)
+        except Exception:  # noqa: BLE001 - the sync runs again to all of them anyway
+            pass
+        raise EngineLostError(lost, "weight sync cut short: " + "; ".join(whys)) from exc
+
+
+# After a broadcast broke, how long an engine's call may go on before the engine counts as wedged.
+WEDGED_AFTER_S = 10.0

@@ -29,6 +29,16 @@ class WeightSyncError(RuntimeError):
     """The weights offered do not match what the engine serves; nothing was loaded."""
 
 
+class EngineLostError(RuntimeError):
+    """Engines died (or stopped answering) during a sync. The transport has ended the update of
+    the others, which serve again on layers of two versions; the sync must run again, to new
+    engines in place of the `lost` ones (their indices; empty on ranks that did not send)."""
+
+    def __init__(self, lost: list[int], why: str) -> None:
+        super().__init__(why)
+        self.lost = lost
+
+
 def fused_group(name: str) -> str:
     for pattern, group in _FUSED:
         if pattern.match(name):
@@ -159,18 +169,22 @@ def sync_weights(actor_engine, transport: Transport | None, bucket_mb: float,
         raise WeightSyncError(refused)
     total = buckets = biggest = 0
     in_transport = 0.0
+    lost: EngineLostError | None = None
     try:
         for bucket in iter_buckets(actor_engine.iter_hf_weights(), int(bucket_mb * 2**20)):
             size = sum(t.numel() * t.element_size() for _, t in bucket)
             total += size
             buckets += 1
             biggest = max(biggest, size)
-            if is_sender:
+            if is_sender and lost is None:
                 sent = time.perf_counter()
-                transport.send(bucket)
+                try:
+                    transport.send(bucket)
+                except EngineLostError as exc:
+                    lost = exc  # the export goes on to its end: the other ranks' gathers wait for this one
                 in_transport += time.perf_counter() - sent
     except BaseException:
-        if is_sender and buckets:
+        if is_sender and buckets and lost is None:
             # Cut short: end the engine's update so that it serves again (layers it received hold the
             # new weights, the others their old ones); the error is what the caller sees.
             try:
@@ -178,11 +192,29 @@ def sync_weights(actor_engine, transport: Transport | None, bucket_mb: float,
             except Exception:
                 pass
         raise
+    sent = time.perf_counter()
+    if is_sender and lost is None:
+        try:
+            transport.finish()
+        except EngineLostError as exc:
+            lost = exc
+    _agree_on_lost_engines(lost)
     if is_sender:
-        sent = time.perf_counter()
-        transport.finish()
         if version is not None:
             transport.served_version = version
         in_transport += time.perf_counter() - sent
         return SyncStats(time.perf_counter() - start, total, buckets, biggest, in_transport)
     return None
+
+
+def _agree_on_lost_engines(lost: EngineLostError | None) -> None:
+    """Raises EngineLostError on every training rank when any sender lost an engine, so that all
+    ranks run the sync again together (a rank that went on alone would wait in the next step's
+    collectives for one that is still syncing)."""
+    reports = [None if lost is None else (lost.lost, str(lost))]
+    if dist.get_world_size() > 1:
+        reports = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, None if lost is None else (lost.lost, str(lost)))
+    failed = [report for report in reports if report is not None]
+    if failed:
+        raise EngineLostError(lost.lost if lost is not None else [], "; ".join(why for _, why in failed))

@@ -616,15 +616,28 @@ class RolloutPlane:
         that died since the last one are replaced first, so they serve these weights). With
         generation in flight (asynchronous RL), engine calls pause for it: calls under way finish
         on the old weights, later ones run on the new."""
-        from rlfactory_megatron.rollout.weight_sync import sync_weights
+        from rlfactory_megatron.rollout.weight_sync import EngineLostError, sync_weights
 
         paused = self._loop_thread is not None and self.router is not None
         if paused:
             self._run(self.router.pause())
         try:
-            if self.pool:
-                self._replace_failed_engines()
-            sync_weights(actor_engine, self.transport, self.cfg.weight_sync.bucket_mb, version=version)
+            # An engine that dies during the sync is replaced and the whole sync runs again (the
+            # others hold layers of two versions); one that keeps dying ends the run there.
+            for attempt in range(1, MAX_ENGINE_DEATHS_IN_A_ROW + 1):
+                if self.pool:
+                    self._replace_failed_engines()
+                try:
+                    sync_weights(actor_engine, self.transport, self.cfg.weight_sync.bucket_mb, version=version)
+                    break
+                except EngineLostError as exc:
+                    if attempt == MAX_ENGINE_DEATHS_IN_A_ROW:
+                        raise RuntimeError(f"the weight sync to version {version} failed {attempt} times: {exc}; "
+                                           f"the engines' logs are in {self.output / 'logs'}") from exc
+                    if exc.lost:  # the sending rank
+                        print(f"rlf-train: {exc}; syncing again", flush=True)
+                        for index in exc.lost:
+                            self.router.fail(index, exc)
         finally:
             if self.router is not None:
                 # A sync cut short leaves the engines serving (layers of both versions): the version
@@ -657,7 +670,9 @@ class RolloutPlane:
             self.pool[index] = self._new_pool_engine(index, self._replaced)
             self.router.revive(index, serving(self.pool[index]))
         if failed:  # the group of the sender and every engine, the new ones included
+            served = self.transport.served_version
             self.transport = self._pool_transport()
+            self.transport.served_version = served
 
     def _new_pool_engine(self, index: int, replacement: int = 0):
         """Pool engine `index` in a Ray actor of its own: devices of its own (Ray resources:
