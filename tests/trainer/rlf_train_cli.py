@@ -55,6 +55,20 @@ def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def assert_same_metrics(run: list[dict], reference: list[dict], ignore: tuple[str, ...] = (), rel: float = 0.0) -> None:
+    """`run` logged the steps `reference` logged, each with every metric of it but timings (and
+    keys containing one of `ignore`) equal: exactly, or within `rel` (DP's sums round otherwise)."""
+    import pytest
+
+    assert [r["step"] for r in run] == [r["step"] for r in reference]
+    for mine, theirs in zip(run, reference):
+        compared = {k for k in theirs if not any(t in k for t in TIMING_KEYS + ignore)}
+        assert compared <= set(mine), compared - set(mine)
+        for key in compared:
+            expected = pytest.approx(theirs[key], rel=rel, abs=1e-6) if rel else theirs[key]
+            assert mine[key] == expected, (mine["step"], key, mine[key], theirs[key])
+
+
 def kill_after_checkpoint(tmp_path, run: str, checkpoint: str, *overrides) -> None:
     """Start rlf-train and SIGKILL its whole process group as soon as `checkpoint` is complete."""
     args = [*SMALL, f"trainer.output_dir={tmp_path / run}", *overrides]

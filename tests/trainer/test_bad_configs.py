@@ -3,7 +3,6 @@ Ray or vLLM starts, with one last line that names the key (or file) and no trace
 import os
 import subprocess
 import sys
-import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
