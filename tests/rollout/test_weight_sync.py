@@ -1,6 +1,9 @@
 """Megatron -> vLLM weight sync: exact log-probs after every sync, at every TP/PP split; refused syncs change nothing."""
 import os
+import re
 import sys
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -8,7 +11,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import rollout_workers  # noqa: E402
 
-from rlfactory_megatron.rollout.weight_sync import WeightSyncError, check_manifest, fused_group, iter_buckets  # noqa: E402
+from rlfactory_megatron.rollout.weight_sync import (  # noqa: E402
+    EngineLostError, WeightSyncError, check_manifest, fused_group, iter_buckets)
 from rlfactory_megatron.runtime.distributed import spawn_local_workers  # noqa: E402
 
 
@@ -96,3 +100,49 @@ def test_broadcast_transport_into_a_vllm_engine_in_a_ray_actor(tiny_hf_dirs, ray
     assert report["max_diff"][0] <= 1e-3 and report["max_diff"][1] <= 1e-3, report
     assert report["mean_engine_lp"][0] != report["mean_engine_lp"][1]
     assert report["sync"][0]["buckets"] >= 5
+
+
+def test_a_broken_broadcast_names_the_engines_lost_and_the_others_end_their_update(ray_session, monkeypatch):
+    # How the broadcast transport sorts out a broadcast that broke: stand-ins for the engine
+    # actors' two weight calls (real Ray actors), one per way an engine's call can end.
+    import ray
+
+    from rlfactory_megatron.rollout import ray_engine
+
+    class StandInEngine:
+        def __init__(self, ending: str) -> None:
+            self.ending, self.finished = ending, 0
+
+        def receive_bucket(self, layout):
+            if self.ending == "group broke":  # a live engine whose peer died: gloo's error
+                raise RuntimeError("Connection closed by peer")
+            if self.ending == "wedged":  # waits in the broken broadcast (gloo's timeout, NCCL forever)
+                time.sleep(120)
+            if self.ending == "died":
+                os._exit(1)
+            return 0
+
+        def finish_weight_update(self):
+            self.finished += 1
+
+        def updates_finished(self):
+            return self.finished
+
+    monkeypatch.setattr(ray_engine, "WEDGED_AFTER_S", 2.0)
+    actors = [ray.remote(num_cpus=0)(StandInEngine).remote(ending)
+              for ending in ("received", "died", "group broke", "wedged")]
+    transport = object.__new__(ray_engine.BroadcastTransport)
+    transport.engines, transport._ray = [SimpleNamespace(actor=actor) for actor in actors], ray
+    try:
+        with pytest.raises(EngineLostError) as lost:
+            transport._raise_lost([actor.receive_bucket.remote({}) for actor in actors], RuntimeError("broken"))
+        assert lost.value.lost == [1, 3]
+        assert re.search(r"engine 1: \w*ActorDiedError", str(lost.value)), str(lost.value)
+        assert "engine 3: still in the broken broadcast after 2 s" in str(lost.value)
+        assert ray.get([actors[index].updates_finished.remote() for index in (0, 2)]) == [1, 1]  # they serve again
+        # A failure that lost no engine is the caller's, as it was.
+        with pytest.raises(RuntimeError, match="^bad bucket$"):
+            transport._raise_lost([actors[0].receive_bucket.remote({})], RuntimeError("bad bucket"))
+    finally:
+        for actor in actors:
+            ray.kill(actor)
