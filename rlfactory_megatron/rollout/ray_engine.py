@@ -166,7 +166,7 @@ class BroadcastTransport(Transport):
         self.engines = engines if isinstance(engines, list) else [engines]
         self._ray = self.engines[0]._ray
         self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        backend = self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         size = len(self.engines) + 1
         # The store listens on a port the OS picks (a port picked beforehand can be taken meanwhile).
         store = dist.TCPStore(host, 0, world_size=size, is_master=True, timeout=timedelta(seconds=timeout_s),
@@ -199,17 +199,20 @@ class BroadcastTransport(Transport):
         try:
             self._ray.get(finished)
         except Exception as exc:  # noqa: BLE001 - sorted out below
-            self._raise_lost(finished, exc)
+            # No broadcast in a finish: a live engine's call ends, however long its loader takes.
+            self._raise_lost(finished, exc, in_broadcast=False)
 
-    def _raise_lost(self, calls: list, exc: Exception) -> None:
+    def _raise_lost(self, calls: list, exc: Exception, in_broadcast: bool = True) -> None:
         """An engine that died takes the group with it: the others' calls end with an error, or
         wait in the broken broadcast (gloo until its timeout, NCCL for good). Engines whose call
-        failed because their actor died, or that still wait after WEDGED_AFTER_S, are lost (their
-        owner replaces them); the others end their update, so that they serve until the sync runs
-        again. Any other failure is the caller's, as it was."""
+        failed because their actor died, or that still wait in a broadcast after WEDGED_AFTER_S,
+        are lost (their owner replaces them); the others end their update, so that they serve
+        until the sync runs again. Under NCCL a broken broadcast leaves every member's stream
+        waiting on it: the sender aborts its communicator and every engine is lost. Any other
+        failure is the caller's, as it was."""
         from ray.exceptions import RayActorError
 
-        done, _ = self._ray.wait(calls, num_returns=len(calls), timeout=WEDGED_AFTER_S)
+        done, _ = self._ray.wait(calls, num_returns=len(calls), timeout=WEDGED_AFTER_S if in_broadcast else None)
         lost, whys = [], []
         for index, call in enumerate(calls):
             try:
@@ -225,6 +228,14 @@ class BroadcastTransport(Transport):
             whys.append(f"engine {index}: {why}")
         if not lost:
             raise exc
+        if in_broadcast and self.backend == "nccl":
+            try:
+                self.group.abort()  # frees this rank's stream from the broadcast that never ends
+            except Exception:  # noqa: BLE001 - the group is dropped either way
+                pass
+            whys += [f"engine {index}: in the broken NCCL broadcast" for index in range(len(self.engines))
+                     if index not in lost]
+            lost = list(range(len(self.engines)))
         survivors = [engine.actor.finish_weight_update.remote() for index, engine in enumerate(self.engines)
                      if index not in lost]
         try:

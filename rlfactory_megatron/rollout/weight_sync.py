@@ -198,11 +198,11 @@ def sync_weights(actor_engine, transport: Transport | None, bucket_mb: float,
             transport.finish()
         except EngineLostError as exc:
             lost = exc
+    in_transport += time.perf_counter() - sent
     _agree_on_lost_engines(lost)
     if is_sender:
         if version is not None:
             transport.served_version = version
-        in_transport += time.perf_counter() - sent
         return SyncStats(time.perf_counter() - start, total, buckets, biggest, in_transport)
     return None
 

@@ -658,7 +658,7 @@ class RolloutPlane:
             self._deaths_in_a_row[index] = self._deaths_in_a_row.get(index, 0) + 1 if index in failed else 0
         for index, why in sorted(failed.items()):
             if self._deaths_in_a_row[index] >= MAX_ENGINE_DEATHS_IN_A_ROW:
-                raise RuntimeError(f"rollout engine {index} died {self._deaths_in_a_row[index]} steps in a row "
+                raise RuntimeError(f"rollout engine {index} died at {self._deaths_in_a_row[index]} syncs in a row "
                                    f"(last: {why}); its log is in {self.output / 'logs'}")
             print(f"rlf-train: rollout engine {index} died ({why}); starting a new one", flush=True)
             try:

@@ -102,7 +102,7 @@ def test_broadcast_transport_into_a_vllm_engine_in_a_ray_actor(tiny_hf_dirs, ray
     assert report["sync"][0]["buckets"] >= 5
 
 
-def test_a_broken_broadcast_names_the_engines_lost_and_the_others_end_their_update(ray_session, monkeypatch):
+def test_a_broken_broadcast_names_the_engines_lost_and_the_others_end_their_update(ray_session):
     # How the broadcast transport sorts out a broadcast that broke: stand-ins for the engine
     # actors' two weight calls (real Ray actors), one per way an engine's call can end.
     import ray
@@ -128,21 +128,29 @@ def test_a_broken_broadcast_names_the_engines_lost_and_the_others_end_their_upda
         def updates_finished(self):
             return self.finished
 
-    monkeypatch.setattr(ray_engine, "WEDGED_AFTER_S", 2.0)
     actors = [ray.remote(num_cpus=0)(StandInEngine).remote(ending)
               for ending in ("received", "died", "group broke", "wedged")]
+    ray.get([actor.updates_finished.remote() for actor in actors])  # started: the wait below times calls only
     transport = object.__new__(ray_engine.BroadcastTransport)
-    transport.engines, transport._ray = [SimpleNamespace(actor=actor) for actor in actors], ray
+    transport.engines, transport._ray, transport.backend = [SimpleNamespace(actor=actor) for actor in actors], ray, "gloo"
     try:
         with pytest.raises(EngineLostError) as lost:
             transport._raise_lost([actor.receive_bucket.remote({}) for actor in actors], RuntimeError("broken"))
         assert lost.value.lost == [1, 3]
         assert re.search(r"engine 1: \w*ActorDiedError", str(lost.value)), str(lost.value)
-        assert "engine 3: still in the broken broadcast after 2 s" in str(lost.value)
+        assert f"engine 3: still in the broken broadcast after {ray_engine.WEDGED_AFTER_S:.0f} s" in str(lost.value)
         assert ray.get([actors[index].updates_finished.remote() for index in (0, 2)]) == [1, 1]  # they serve again
         # A failure that lost no engine is the caller's, as it was.
         with pytest.raises(RuntimeError, match="^bad bucket$"):
             transport._raise_lost([actors[0].receive_bucket.remote({})], RuntimeError("bad bucket"))
+        # Under NCCL every member's stream waits on the broken broadcast: the sender aborts, all are lost.
+        aborted = []
+        transport.backend, transport.group = "nccl", SimpleNamespace(abort=lambda: aborted.append(True))
+        transport.engines = transport.engines[:2]
+        with pytest.raises(EngineLostError) as lost:
+            transport._raise_lost([actor.receive_bucket.remote({}) for actor in actors[:2]], RuntimeError("broken"))
+        assert lost.value.lost == [0, 1] and aborted == [True]
+        assert "engine 0: in the broken NCCL broadcast" in str(lost.value)
     finally:
         for actor in actors:
             ray.kill(actor)
