@@ -212,6 +212,8 @@ class BroadcastTransport(Transport):
         failure is the caller's, as it was."""
         from ray.exceptions import RayActorError
 
+        from rlfactory_megatron.rollout.router import error_line
+
         done, _ = self._ray.wait(calls, num_returns=len(calls), timeout=WEDGED_AFTER_S if in_broadcast else None)
         lost, whys = [], []
         for index, call in enumerate(calls):
@@ -221,7 +223,7 @@ class BroadcastTransport(Transport):
                     continue
                 why = f"still in the broken broadcast after {WEDGED_AFTER_S:.0f} s"
             except RayActorError as died:
-                why = f"{type(died).__name__}: {str(died).strip().splitlines()[0] if str(died).strip() else ''}"
+                why = error_line(died)
             except Exception:  # noqa: BLE001 - the group broke under this live engine: it stays
                 continue
             lost.append(index)

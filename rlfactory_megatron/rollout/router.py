@@ -25,6 +25,12 @@ class AsyncEngine(Protocol):
     async def generate(self, prompt_token_ids: list[int], sampling: dict[str, Any]) -> tuple[list[int], list[float]]: ...
 
 
+def error_line(exc: BaseException) -> str:
+    """An engine's error in one line: its type and the first line of its message."""
+    message = str(exc).strip()
+    return f"{type(exc).__name__}: {message.splitlines()[0] if message else ''}"
+
+
 class EngineFailedError(RuntimeError):
     """No engine is left to serve requests."""
 
@@ -59,7 +65,7 @@ class EngineRouter:
         return min(alive, key=lambda i: (self.outstanding[i], self.generated[i], i))
 
     def fail(self, index: int, exc: BaseException) -> None:
-        self.failed.setdefault(index, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}")
+        self.failed.setdefault(index, error_line(exc))
 
     def revive(self, index: int, engine: AsyncEngine) -> None:
         """`engine` serves in place of failed engine `index` from now on."""

@@ -211,10 +211,10 @@ def _agree_on_lost_engines(lost: EngineLostError | None) -> None:
     """Raises EngineLostError on every training rank when any sender lost an engine, so that all
     ranks run the sync again together (a rank that went on alone would wait in the next step's
     collectives for one that is still syncing)."""
-    reports = [None if lost is None else (lost.lost, str(lost))]
+    reports = [None if lost is None else str(lost)]
     if dist.get_world_size() > 1:
         reports = [None] * dist.get_world_size()
-        dist.all_gather_object(reports, None if lost is None else (lost.lost, str(lost)))
-    failed = [report for report in reports if report is not None]
+        dist.all_gather_object(reports, None if lost is None else str(lost))
+    failed = [why for why in reports if why is not None]
     if failed:
-        raise EngineLostError(lost.lost if lost is not None else [], "; ".join(why for _, why in failed))
+        raise EngineLostError(lost.lost if lost is not None else [], "; ".join(failed))
