@@ -26,7 +26,8 @@ _FUSED = (
 
 
 class WeightSyncError(RuntimeError):
-    """The weights offered do not match what the engine serves; nothing was loaded."""
+    """A sync refused before any bucket moved, on every training rank: the weights offered do not
+    match what the engine serves, or a sending rank could not take part (nothing was loaded)."""
 
 
 class EngineLostError(RuntimeError):
@@ -141,21 +142,23 @@ class SyncStats:
 
 
 def sync_weights(actor_engine, transport: Transport | None, bucket_mb: float,
-                 version: int | None = None) -> SyncStats | None:
+                 version: int | None = None, refusal: str | None = None) -> SyncStats | None:
     """Collective over all training ranks: every rank that holds a `transport` (one per engine:
     the export yields full tensors on every rank) sends every bucket into its engine, so all
     engines take the same sync at once; ranks without an engine pass None.
 
     `version` (the trainer's update count) is what each engine reports serving once its sync is
-    complete. Returns the stats on ranks that sent, None elsewhere.
+    complete. `refusal`: why this rank cannot take part (e.g. its engines could not be replaced);
+    every rank then raises WeightSyncError with it, before any bucket, instead of the others
+    waiting in the export's collectives. Returns the stats on ranks that sent, None elsewhere.
     """
     from rlfactory_megatron.models.conversion import hf_weight_manifest
 
     start = time.perf_counter()
     is_sender = transport is not None
     manifest = hf_weight_manifest(actor_engine.modules(), actor_engine.arch)
-    verdict = None
-    if is_sender:
+    verdict = refusal
+    if is_sender and verdict is None:
         try:
             check_manifest({n: shape for n, (shape, _) in manifest.items()}, transport.expected_weights())
         except WeightSyncError as exc:

@@ -616,7 +616,7 @@ class RolloutPlane:
         that died since the last one are replaced first, so they serve these weights). With
         generation in flight (asynchronous RL), engine calls pause for it: calls under way finish
         on the old weights, later ones run on the new."""
-        from rlfactory_megatron.rollout.weight_sync import EngineLostError, sync_weights
+        from rlfactory_megatron.rollout.weight_sync import EngineLostError, WeightSyncError, sync_weights
 
         paused = self._loop_thread is not None and self.router is not None
         if paused:
@@ -625,11 +625,20 @@ class RolloutPlane:
             # An engine that dies during the sync is replaced and the whole sync runs again (the
             # others hold layers of two versions); one that keeps dying ends the run there.
             for attempt in range(1, MAX_ENGINE_DEATHS_IN_A_ROW + 1):
+                # The pool lives on the sending rank only: its failure to replace an engine goes
+                # into the sync as a refusal, so every rank stops with it (not in a collective).
+                failure = None
                 if self.pool:
-                    self._replace_failed_engines()
+                    try:
+                        self._replace_failed_engines()
+                    except Exception as exc:  # noqa: BLE001 - reraised on every rank below
+                        failure = exc
                 try:
-                    sync_weights(actor_engine, self.transport, self.cfg.weight_sync.bucket_mb, version=version)
+                    sync_weights(actor_engine, self.transport, self.cfg.weight_sync.bucket_mb, version=version,
+                                 refusal=None if failure is None else _refusal(failure))
                     break
+                except WeightSyncError as exc:
+                    raise exc from failure
                 except EngineLostError as exc:
                     if attempt == MAX_ENGINE_DEATHS_IN_A_ROW:
                         raise RuntimeError(f"the weight sync to version {version} failed {attempt} times: {exc}; "
@@ -756,6 +765,15 @@ def _done(result) -> concurrent.futures.Future:
 MAX_ENGINE_DEATHS_IN_A_ROW = 3
 # How long a live engine may take to answer the check before a sync.
 ENGINE_PING_TIMEOUT_S = 120
+
+
+def _refusal(failure: Exception) -> str:
+    """Why the sending rank cannot sync, in one line for every rank's error."""
+    from rlfactory_megatron.rollout.router import error_line
+
+    if type(failure) is RuntimeError:  # ours: already says what happened and where the logs are
+        return str(failure)
+    return f"a new rollout engine could not start: {error_line(failure)}"
 
 
 def _engine_died(exc: BaseException) -> bool:

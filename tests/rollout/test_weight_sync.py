@@ -93,6 +93,16 @@ def test_manifest_check_lists_every_difference():
     assert "b (trainer [3], engine [4])" in message
 
 
+def test_a_sender_that_cannot_sync_stops_every_rank_with_its_reason(tiny_hf_dirs):
+    # Rank 0 of a disaggregated run could not replace a dead engine: both data-parallel ranks
+    # must end with its reason, and no bucket may go out. Before, rank 1 waited in the export's
+    # gathers: here its group's 60 s timeout would fail it with gloo's error instead.
+    reason = "rollout engine 1 died at 3 syncs in a row (last: ActorDiedError: gone)"
+    results = spawn_local_workers(rollout_workers.refused_sync_worker, 2, tiny_hf_dirs["qwen3"], reason)
+    assert [report.get("error") for report in results] == [reason, reason], results
+    assert results[0]["transport_calls"] == [] and results[0]["served_version"] == 0
+
+
 def test_broadcast_transport_into_a_vllm_engine_in_a_ray_actor(tiny_hf_dirs, ray_session):
     address = ray_session.get_runtime_context().gcs_address
     results = spawn_local_workers(rollout_workers.sync_worker, 2, tiny_hf_dirs["qwen3"], 2, 1, 0.5, 1, False, address)
