@@ -69,18 +69,25 @@ def assert_same_metrics(run: list[dict], reference: list[dict], ignore: tuple[st
             assert mine[key] == expected, (mine["step"], key, mine[key], theirs[key])
 
 
+def _start_and_wait(tmp_path, run: str, overrides, reached, what: str, timeout: float):
+    """Start rlf-train in a session of its own (its log in <run>.log) and wait until `reached()`."""
+    args = [*SMALL, f"trainer.output_dir={tmp_path / run}", *overrides]
+    log_path = tmp_path / f"{run}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([str(BIN / "rlf-train"), *args], stdout=log, stderr=subprocess.STDOUT,
+                                env=env_for(tmp_path), start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while not reached():
+        assert proc.poll() is None, log_path.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"{what} not reached in time"
+        time.sleep(0.2)
+    return proc, log_path
+
+
 def kill_after_checkpoint(tmp_path, run: str, checkpoint: str, *overrides) -> None:
     """Start rlf-train and SIGKILL its whole process group as soon as `checkpoint` is complete."""
-    args = [*SMALL, f"trainer.output_dir={tmp_path / run}", *overrides]
-    log = open(tmp_path / f"{run}.log", "w")
-    proc = subprocess.Popen([str(BIN / "rlf-train"), *args], stdout=log, stderr=subprocess.STDOUT,
-                            env=env_for(tmp_path), start_new_session=True)
     marker = tmp_path / run / "checkpoints" / checkpoint / "trainer_state.json"
-    deadline = time.monotonic() + 900
-    while not marker.exists():
-        assert proc.poll() is None, (tmp_path / f"{run}.log").read_text()[-3000:]
-        assert time.monotonic() < deadline, "no checkpoint in time"
-        time.sleep(0.2)
+    proc, _ = _start_and_wait(tmp_path, run, overrides, marker.exists, f"checkpoint {checkpoint}", 900)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
 
@@ -92,17 +99,12 @@ def stop_after_step(tmp_path, run: str, step: int, *overrides, signum=signal.SIG
     output, its descendants at the signal, seconds from the signal to its exit)."""
     import psutil
 
-    args = [*SMALL, f"trainer.output_dir={tmp_path / run}", *overrides]
-    log_path = tmp_path / f"{run}.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([str(BIN / "rlf-train"), *args], stdout=log, stderr=subprocess.STDOUT,
-                                env=env_for(tmp_path), start_new_session=True)
     metrics = tmp_path / run / "metrics.jsonl"
-    deadline = time.monotonic() + timeout
-    while not (metrics.exists() and any(json.loads(line)["step"] >= step for line in metrics.read_text().splitlines())):
-        assert proc.poll() is None, log_path.read_text()[-3000:]
-        assert time.monotonic() < deadline, "step not reached in time"
-        time.sleep(0.2)
+
+    def logged():
+        return metrics.exists() and any(json.loads(line)["step"] >= step for line in metrics.read_text().splitlines())
+
+    proc, log_path = _start_and_wait(tmp_path, run, overrides, logged, f"step {step}", timeout)
     descendants = psutil.Process(proc.pid).children(recursive=True)
     signalled = time.monotonic()
     for process in descendants if everyone else []:
