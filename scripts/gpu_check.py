@@ -140,12 +140,11 @@ class Context:
 
 def main() -> int:
     from rlfactory_megatron.runtime.distributed import ParallelSizes, init_distributed
-    from rlfactory_megatron.runtime.launch_env import free_port
+    from rlfactory_megatron.runtime.launch_env import ALONE
 
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
     failed = 0
     try:
-        init_distributed(ParallelSizes(1, 1), seed=0)
+        init_distributed(ParallelSizes(1, 1), seed=0, launch=ALONE)
     except Exception as exc:
         print(f"FAIL set-up: {type(exc).__name__}: {exc}")
         return 1

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 import threading
 import time
@@ -73,7 +72,7 @@ def main(argv: list[str]) -> int:
     from rlfactory_megatron.models.logprobs import vocab_parallel_log_probs
     from rlfactory_megatron.models.tiny import make_tiny_hf_model
     from rlfactory_megatron.runtime.distributed import ParallelSizes, init_distributed
-    from rlfactory_megatron.runtime.launch_env import free_port
+    from rlfactory_megatron.runtime.launch_env import ALONE
 
     torch.manual_seed(0)
     heads = max(args.hidden // 64, 1)
@@ -99,8 +98,7 @@ def main(argv: list[str]) -> int:
         hf_time = _time_steps(hf_step, args.warmup, args.iters)
     del hf
 
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    init_distributed(ParallelSizes(1, 1))
+    init_distributed(ParallelSizes(1, 1), launch=ALONE)
     arch = load_arch(hf_dir)
     model = build_model_chunks(arch)[0]
     load_hf_weights([model], arch, hf_dir)

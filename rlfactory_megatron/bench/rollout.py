@@ -86,7 +86,7 @@ def main(argv: list[str]) -> int:
     from rlfactory_megatron.rollout.ray_engine import BroadcastTransport, RayVLLMEngine
     from rlfactory_megatron.rollout.weight_sync import sync_weights
     from rlfactory_megatron.runtime.distributed import ParallelSizes, init_distributed
-    from rlfactory_megatron.runtime.launch_env import free_port
+    from rlfactory_megatron.runtime.launch_env import ALONE
 
     workdir = tempfile.mkdtemp(prefix="rlf-bench-rollout-")
     hf_dir = os.path.join(workdir, "model")
@@ -94,8 +94,7 @@ def main(argv: list[str]) -> int:
     make_tiny_hf_model("qwen3", hf_dir, hidden_size=args.hidden, intermediate_size=args.hidden * 2,
                        num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=heads,
                        head_dim=64, vocab_size=4096)
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    init_distributed(ParallelSizes(1, 1))
+    init_distributed(ParallelSizes(1, 1), launch=ALONE)
     ray.init(address="local", num_cpus=max(3, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
     gpus = 1 if torch.cuda.is_available() else 0
     engines = [RayVLLMEngine(hf_dir, num_cpus=1, num_gpus=gpus, max_model_len=args.prompt_tokens + args.max_tokens,

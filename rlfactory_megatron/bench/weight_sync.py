@@ -45,7 +45,7 @@ def main(argv: list[str]) -> int:
     from rlfactory_megatron.rollout.engines import VLLMEngine
     from rlfactory_megatron.rollout.weight_sync import InProcessTransport, sync_weights
     from rlfactory_megatron.runtime.distributed import ParallelSizes, init_distributed
-    from rlfactory_megatron.runtime.launch_env import free_port
+    from rlfactory_megatron.runtime.launch_env import ALONE
 
     workdir = tempfile.mkdtemp(prefix="rlf-bench-sync-")
     hf_dir = os.path.join(workdir, "model")
@@ -53,8 +53,7 @@ def main(argv: list[str]) -> int:
     make_tiny_hf_model("qwen2", hf_dir, hidden_size=args.hidden, intermediate_size=args.hidden * 4,
                        num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=max(heads // 4, 1),
                        head_dim=64, vocab_size=args.vocab)
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    init_distributed(ParallelSizes(1, 1))
+    init_distributed(ParallelSizes(1, 1), launch=ALONE)
     arch = load_arch(hf_dir)
     actor = MegatronEngine(arch, hf_dir, BuildOptions())
     engine = VLLMEngine(hf_dir, max_model_len=256, max_num_seqs=4, memory_utilization=0.35)

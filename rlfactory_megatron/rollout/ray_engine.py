@@ -22,7 +22,10 @@ def _weight_group(host: str, port: int, rank: int, size: int, backend: str, time
     if store is None:
         store = dist.TCPStore(host, port, world_size=size, is_master=False, timeout=timedelta(seconds=timeout_s))
     if backend == "nccl":
-        return dist.ProcessGroupNCCL(store, rank, size)
+        # The same bound as gloo's: a member that stops answering fails the broadcast after timeout_s.
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timedelta(seconds=timeout_s)
+        return dist.ProcessGroupNCCL(store, rank, size, options)
     return dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout_s))
 
 

@@ -17,8 +17,10 @@ import torch
 import torch.distributed as dist
 
 from rlfactory_megatron.runtime.cpu_compat import cuda_available, enable_cpu_compat
-from rlfactory_megatron.runtime.launch_env import LaunchEnv, detect_launch_env, free_port
+from rlfactory_megatron.runtime.launch_env import LaunchEnv, detect_launch_env
 from rlfactory_megatron.runtime.stop import forward_stop_signals
+
+_own_stores: list = []  # the store a process started by hand hosts for itself, alive with its group
 
 
 @dataclass(frozen=True)
@@ -53,14 +55,17 @@ def init_distributed(
     else:
         enable_cpu_compat()
     if not dist.is_initialized():
+        store = _rendezvous_store(launch)
+        meeting = {"store": store} if store is not None else {
+            "init_method": f"tcp://{launch.master_addr}:{launch.master_port}"}
         dist.init_process_group(
             # On GPU, NCCL for device tensors and gloo for host ones (the trainer's small CPU
             # reductions: plan shapes, metrics, log-prob gathers) on every group megatron makes.
             backend="cpu:gloo,cuda:nccl" if on_gpu else "gloo",
-            init_method=f"tcp://{launch.master_addr}:{launch.master_port or free_port()}",
             rank=launch.rank,
             world_size=world,
             timeout=timedelta(seconds=timeout_s),
+            **meeting,
         )
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
@@ -71,6 +76,22 @@ def init_distributed(
     seed_everything(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return launch
+
+
+def host_rendezvous_store(world_size: int) -> dist.TCPStore:
+    """A rendezvous store listening on a port the OS assigns as it binds: a port picked free and
+    bound later can be taken in between by any process on the host (EADDRINUSE, seen in CI with
+    tests running in parallel)."""
+    return dist.TCPStore("127.0.0.1", 0, world_size=world_size, is_master=True, wait_for_workers=False)
+
+
+def _rendezvous_store(launch: LaunchEnv) -> dist.Store | None:
+    """A process started by hand, the only rank, hosts its own store; ranks a launcher started
+    meet at its address (None)."""
+    if launch.launcher != "single":
+        return None
+    _own_stores[:] = [host_rendezvous_store(1)]
+    return _own_stores[0]
 
 
 def seed_everything(seed: int) -> None:
@@ -86,12 +107,15 @@ def destroy_distributed() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+    _own_stores.clear()
 
 
 def _worker_entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, results) -> None:
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        # As under torchrun, whose agent hosts the store: every rank connects to it as a client.
+        TORCHELASTIC_USE_AGENT_STORE="True",
     )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     results[rank] = fn(*args)
@@ -104,7 +128,9 @@ def spawn_local_workers(fn: Callable[..., Any], world_size: int, *args: Any) -> 
     """
     import torch.multiprocessing as mp
 
-    port = free_port()
+    # The parent hosts the ranks' store (as torchrun's agent does) on a port bound as it is picked.
+    store = host_rendezvous_store(world_size)
+    port = store.port
     with mp.Manager() as manager:
         results = manager.dict()
         ranks = mp.start_processes(
@@ -134,9 +160,7 @@ def run_as_job(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]
             raise ValueError(f"launcher world size {launch.world_size} is not a multiple of tp*pp={world_size}")
         return [fn(*args)]
     if world_size == 1:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
-        return [fn(*args)]
+        return [fn(*args)]  # this process is the rank; it hosts its own store (init_distributed)
     from torch.multiprocessing import ProcessRaisedException
 
     try:

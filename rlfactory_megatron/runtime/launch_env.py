@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 from dataclasses import dataclass
 
 
@@ -16,6 +15,10 @@ class LaunchEnv:
     master_addr: str
     master_port: int
     local_world_size: int = 1  # ranks of this job on this node
+
+
+# This process as the only rank, whatever launcher started it (the benchmarks measure one process).
+ALONE = LaunchEnv("single", 0, 1, 0, "127.0.0.1", 0)
 
 
 # Order matters: torchrun inside an sbatch job also sees SLURM_* variables, and
@@ -66,9 +69,3 @@ def detect_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
             local_size = env.get(local_size_var) or (_slurm_tasks_here(env) if name == "slurm" else None)
             return LaunchEnv(name, rank, world, local, addr, port, int(local_size or world))
     return LaunchEnv("single", 0, 1, 0, env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 0) or 0))
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

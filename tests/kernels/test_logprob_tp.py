@@ -1,12 +1,12 @@
 """Fused log-prob/entropy at tp=2 (two gloo processes, each holding its vocab shard) == naive on the full vocab."""
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from rlfactory_megatron.runtime.distributed import spawn_local_workers
 
 CASES = [
     # T, V, H, chunk_size, temperature
@@ -17,17 +17,12 @@ CASES = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int) -> None:
+def _worker() -> None:
     sys.path.insert(0, str(Path(__file__).parent))  # spawned children re-import this module's helpers
     from logprob_cases import assert_matches_naive
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
     try:
         for T, V, H, chunk, temp in CASES:
             assert_matches_naive(T, V, H, chunk_size=chunk, temperature=temp, tp_group=dist.group.WORLD, rank=rank, world=world)
@@ -43,4 +38,4 @@ def _worker(rank: int, world: int, port: int) -> None:
 
 @pytest.mark.slow
 def test_tp2_matches_naive():
-    mp.spawn(_worker, args=(2, _free_port()), nprocs=2, join=True)
+    spawn_local_workers(_worker, 2)

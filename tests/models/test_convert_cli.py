@@ -43,7 +43,7 @@ def test_hf_to_mcore_tp2_pp2_then_back_at_tp1_is_bit_identical(tiny_hf_dirs, tmp
 
 def test_check_under_torchrun(tiny_hf_dirs):
     out = run_cli("check", "--hf-dir", tiny_hf_dirs["llama"], "--tp", "2",
-                  launcher=(str(BIN / "torchrun"), "--nproc-per-node", "2", "--master-port", "29611"))
+                  launcher=(str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2"))
     assert out.returncode == 0, out.stderr[-3000:]
     # One verdict for the job (the worst over both ranks), not one line per rank: ranks sharing
     # torchrun's stdout interleave their writes (CI once read two JSON objects on one line).

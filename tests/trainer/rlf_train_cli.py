@@ -29,11 +29,10 @@ def rlf_train(tmp_path, run: str, *overrides, timeout=900, env=None):
 
 
 def torchrun_train(tmp_path, run: str, nproc: int, *overrides, timeout=900):
-    """`torchrun --nproc-per-node N -m rlfactory_megatron.cli.train` (data-parallel ranks)."""
-    from rlfactory_megatron.runtime.launch_env import free_port
-
+    """`torchrun --standalone --nproc-per-node N -m rlfactory_megatron.cli.train` (data-parallel ranks;
+    standalone, torchrun binds its store where the OS puts it: a port picked beforehand can be taken)."""
     args = [*SMALL, f"trainer.output_dir={tmp_path / run}", *overrides]
-    command = [str(BIN / "torchrun"), "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
+    command = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(nproc),
                "-m", "rlfactory_megatron.cli.train", *args]
     return subprocess.run(command, capture_output=True, text=True, env=env_for(tmp_path), timeout=timeout)
 
