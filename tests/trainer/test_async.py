@@ -111,10 +111,11 @@ def test_partial_rollout_lands_weight_updates_mid_trajectory_and_survives_engine
     tools.write_text("tools:\n  - class: rlf_faulty.SlowEngineKillingCalculator\n"
                      "    description: Evaluate an arithmetic expression.\n")
     run = rlf_train(tmp_path, "partial", *ASYNC, "rollout.num_engines=2", "trainer.partial_rollout=true",
-                    f"tools.config_path={tools}",
+                    f"tools.config_path={tools}", "tools.call_timeout_s=300",  # the killing call's actor lookup
                     "trainer.sft_steps=60", "trainer.sft_batch_size=16", "trainer.total_steps=3",
                     "trainer.val_every=0", "trainer.save_every=0",
-                    env={"PYTHONPATH": str(faults), "RLF_TEST_KILL_ENGINE_MID_SYNC": "rlf-engine-1:2:1"})
+                    env={"PYTHONPATH": str(faults), "RLF_TEST_KILL_ENGINE_MID_SYNC": "rlf-engine-1:2:1",
+                         "RLF_TEST_KILL_ENGINE_ONCE": str(tmp_path / "engine-killed")})
     assert run.returncode == 0, run.stderr[-3000:]
     assert "rollout engine 0 died" in run.stdout
     assert re.search(r"weight sync cut short: .*engine 1: \w*ActorDiedError.*; syncing again", run.stdout), run.stdout[-3000:]

@@ -80,8 +80,10 @@ def test_a_disaggregated_engine_killed_mid_step_is_replaced_and_no_trajectory_ch
     # A longer warm-start, so that the tiny policy calls the calculator; the killing one is the
     # plain calculator (same name and schema) apart from its first call.
     run = (*RUN, "rollout.mode=disaggregated", "rollout.num_engines=2", "trainer.sft_steps=60",
-           "trainer.sft_batch_size=16", "trainer.prompts_per_step=4", "trainer.total_steps=2", "trainer.val_every=0")
-    env = {"PYTHONPATH": str(faults)}  # Ray's tool workers import it by name
+           "trainer.sft_batch_size=16", "trainer.prompts_per_step=4", "trainer.total_steps=2", "trainer.val_every=0",
+           "tools.call_timeout_s=300")  # the killing call's actor lookup must not time out
+    # Ray's tool workers import it by name; the marker file makes it kill once in the run.
+    env = {"PYTHONPATH": str(faults), "RLF_TEST_KILL_ENGINE_ONCE": str(tmp_path / "engine-killed")}
     calm = rlf_train(tmp_path, "calm", *run)  # the built-in calculator
     killed = rlf_train(tmp_path, "killed", *run, f"tools.config_path={tools}", env=env)
     assert calm.returncode == 0, calm.stderr[-3000:]

@@ -54,23 +54,29 @@ def compute_score(data_source, solution_str, ground_truth, extra_info):
 
 
 class EngineKillingCalculator(CalculatorTool):
-    """The calculator (same name and schema), whose first call in this process kills the first
+    """The calculator (same name and schema), whose first call of the run kills the first
     disaggregated rollout engine (a Ray actor named rlf-engine-0) in the middle of a step."""
 
-    killed = False
-
     async def execute(self, args):
-        _kill_engine_once(EngineKillingCalculator)
+        _kill_engine_once()
         return await super().execute(args)
 
 
-def _kill_engine_once(tool_class) -> None:
-    """Kill rollout engine rlf-engine-0 (a Ray actor) the first time `tool_class` runs in this process."""
-    if not tool_class.killed:
-        import ray
+def _kill_engine_once() -> None:
+    """Kill rollout engine rlf-engine-0 (a Ray actor) at the first call of the run, in whichever
+    tool worker takes it: the file named by RLF_TEST_KILL_ENGINE_ONCE marks it done. Per worker
+    process instead, a second worker's first call would find the name gone (a tool error the run
+    without a kill does not have) or kill the engine that replaced it. Looking the actor up takes
+    seconds, more on a loaded machine (and never returns in a thread beside the actor's event
+    loop): the tests that use this raise tools.call_timeout_s, so that the call answers as the
+    plain calculator does."""
+    try:
+        os.close(os.open(os.environ["RLF_TEST_KILL_ENGINE_ONCE"], os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return
+    import ray
 
-        tool_class.killed = True
-        ray.kill(ray.get_actor("rlf-engine-0"), no_restart=True)
+    ray.kill(ray.get_actor("rlf-engine-0"), no_restart=True)
 
 
 class SlowCalculator(CalculatorTool):
@@ -85,11 +91,9 @@ class SlowCalculator(CalculatorTool):
 
 
 class SlowEngineKillingCalculator(SlowCalculator):
-    """The slow calculator whose first call in this process kills engine rlf-engine-0, with the
-    batch ahead in flight (asynchronous RL)."""
-
-    killed = False
+    """The slow calculator whose first call of the run kills engine rlf-engine-0, with the batch
+    ahead in flight (asynchronous RL)."""
 
     async def execute(self, args):
-        _kill_engine_once(SlowEngineKillingCalculator)
+        _kill_engine_once()
         return await super().execute(args)
