@@ -105,6 +105,9 @@ class ToolArtifactCache:
         self._live_bytes = self._dead_bytes = 0
         self._refresh_index()
         self._load_own_lru()
+        # A writer killed between storing new rows and recording their evictions, or a smaller `max_bytes`
+        # than the last run's, leaves the shard over its cap: evict (oldest first) before the first lookup.
+        self._store_owned([], {})
 
     def get(self, tool: str, args: Mapping[str, Any]) -> CachedArtifact | None:
         key, now = artifact_key(tool, args), self._clock()

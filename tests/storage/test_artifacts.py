@@ -73,6 +73,21 @@ def test_lru_eviction_keeps_under_cap_and_drops_least_recent_first(tmp_path):
         assert [i for i in range(12) if cache.get("t", {"i": i}) is not None] == alive
 
 
+def test_reopening_over_the_cap_evicts_the_oldest_first(tmp_path):
+    # Also what a writer killed between appending rows and recording their evictions leaves behind.
+    with _cache(tmp_path, max_bytes=20_000) as cache:
+        for i in range(12):
+            cache.put("t", {"i": i}, b"v" * 1000)
+        cache.sync()
+        assert cache.stats()["owned_entries"] == 12
+    with _cache(tmp_path, max_bytes=5_000) as cache:
+        assert cache.stats()["owned_bytes"] <= cache.shard_cap
+        alive = [i for i in range(12) if cache.get("t", {"i": i}) is not None]
+        assert alive == [8, 9, 10, 11]  # ~1.1 kB each: the four written last
+    with _cache(tmp_path, max_bytes=20_000) as cache:  # the evictions were recorded on disk
+        assert [i for i in range(12) if cache.get("t", {"i": i}) is not None] == alive
+
+
 def test_eviction_rewrites_the_shard_so_the_file_stays_bounded(tmp_path):
     shard = tmp_path / "shard-00000-of-00001.h5"
     with _cache(tmp_path, max_bytes=200_000) as cache:
