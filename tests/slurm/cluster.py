@@ -5,6 +5,7 @@ installs (slurmctld slurmd slurm-client munge) and root (slurmd runs the jobs' s
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -18,13 +19,27 @@ HOSTS_LINE = "127.0.0.1 " + " ".join(NODES) + "  # rlfactory-megatron slurm test
 
 
 def free_ports(count: int) -> list[int]:
-    socks = [socket.socket() for _ in range(count)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+    """Ports that are free now, each with the next one free too (train.sbatch's Ray head takes
+    MASTER_PORT + 1), below the kernel's ephemeral range: a port picked now is bound later by
+    slurmctld, slurmd or a job's rendezvous, and in between any process binding port 0 or opening a
+    connection may be handed a port of the ephemeral range, never one below it."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports: list[int] = []
+    for port in random.Random().sample(range(10_000, low - 1, 2), 200):
+        if all(_bindable(p) for p in (port, port + 1)):
+            ports.append(port)
+            if len(ports) == count:
+                return ports
+    raise RuntimeError(f"no {count} free port pairs below the ephemeral range (< {low})")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def _path_with_sbin() -> str:
