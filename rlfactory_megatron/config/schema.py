@@ -177,8 +177,9 @@ class TrainerConfig:
     # the next batches while the actor trains and no trained token is more than max_staleness
     # updates old. 0: synchronous steps (generate, then train).
     max_staleness: int = 0
-    # With max_staleness > 0: weight updates land while batches generate (engine calls pause
-    # for the sync, later tokens come from the new weights and carry its version). false: a sync
+    # With max_staleness > 0: weight updates land while batches generate (each engine ends its
+    # requests between two decode steps for the sync; they go on from their tokens on the new
+    # weights, and every token carries the version that generated it). false: a sync
     # first waits for the batches in flight, so each batch is one version's and a run (and its
     # resume) is reproducible.
     partial_rollout: bool = False

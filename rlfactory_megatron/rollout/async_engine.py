@@ -23,6 +23,18 @@ from rlfactory_megatron.rollout.engines import RolloutEngine, SamplingConfig
 _SAMPLING_KEYS = frozenset(f.name for f in dataclasses.fields(SamplingConfig))
 
 
+class GenerationInterrupted(Exception):
+    """A request ended between two engine steps so that new weights can come in (partial rollout),
+    with the tokens and log-probs it had generated; the router continues it on the new weights."""
+
+    def __init__(self, token_ids: list[int], log_probs: list[float]) -> None:
+        super().__init__(token_ids, log_probs)  # the arguments again: it crosses processes pickled
+        self.token_ids, self.log_probs = list(token_ids), list(log_probs)
+
+    def __str__(self) -> str:
+        return f"interrupted for a weight update after {len(self.token_ids)} tokens"
+
+
 class EngineStepError(RuntimeError):
     """The engine failed a step: the requests it ran are lost, and its state is unknown (vLLM's
     own engine is dead after one). The front serves no further request; the router counts the
@@ -164,7 +176,8 @@ class StreamingEngine:
     running tools meanwhile); requests that arrive during a step join at the next one, and each
     caller resumes when its own request finishes, not when a batch does. An idle engine waits
     `window_s` after the first arrival, so that a batch's first turns start in one step. A caller
-    cancelled meanwhile has its request aborted in the engine.
+    cancelled meanwhile has its request aborted in the engine. `interrupt()` ends every request
+    after the step under way (a weight update comes in between two decode steps) until `release()`.
     """
 
     def __init__(self, engine, window_s: float = 0.01):
@@ -184,11 +197,15 @@ class StreamingEngine:
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
         self._stopping = False  # set by close: the step thread returns after its current step
         self.failure: EngineStepError | None = None  # set by a failed step, for good
+        self._held = False  # between interrupt() and release(): no request runs
+        self._interrupting: list[asyncio.Future] = []  # interrupt() calls waiting for the engine to empty
 
     async def generate(self, prompt_token_ids: list[int], sampling: dict[str, Any]) -> tuple[list[int], list[float]]:
         config = sampling_config(sampling)  # bad keys fail in the caller, not in the engine
         if self.failure is not None:
             raise self.failure
+        if self._held:
+            raise GenerationInterrupted([], [])
         if self._worker is None or self._worker.done():
             # First call, or the previous event loop is gone (and with it its waiting callers).
             self._orphans += list(self._running)
@@ -199,6 +216,24 @@ class StreamingEngine:
         self._arrivals.append((next(self._ids), request))
         self._arrived.set()
         return await request.done
+
+    async def interrupt(self) -> None:
+        """Ends every request in the engine after the step under way: its caller gets
+        GenerationInterrupted with the tokens it generated, and so does every request made until
+        `release()`. Returns once the engine runs no request (new weights may then be loaded)."""
+        self._held = True
+        if self.failure is not None or self._worker is None or self._worker.done():
+            return
+        if not (self._running or self._arrivals):
+            return
+        emptied = asyncio.get_running_loop().create_future()
+        self._interrupting.append(emptied)
+        self._arrived.set()  # an idle serving task wakes up to answer
+        await emptied
+
+    async def release(self) -> None:
+        """Requests run again (after `interrupt`)."""
+        self._held = False
 
     async def close(self) -> None:
         """Stop stepping (the wrapped engine stays open; its owner closes it); waiting callers are cancelled."""
@@ -217,15 +252,42 @@ class StreamingEngine:
             request.done.cancel()
         self._arrivals, self._running, self._orphans = [], {}, []
         self._stopping = False
+        self._emptied()
+
+    def _emptied(self) -> None:
+        """The engine runs nothing: the interrupt() calls waiting for that return."""
+        for emptied in self._interrupting:
+            if not emptied.done():
+                emptied.set_result(None)
+        self._interrupting = []
+
+    async def _interrupt_all(self, loop) -> None:
+        """Ends the requests in the engine (and those about to join it) with what each generated."""
+        arrivals, running, orphans = self._arrivals, self._running, self._orphans
+        self._arrivals, self._running, self._orphans = [], {}, []
+        partial = {}
+        if running or orphans:
+            partial = await loop.run_in_executor(self._step_thread(), self.engine.interrupt, [*running, *orphans])
+        for rid, request in [*running.items(), *arrivals]:
+            generation = partial.get(rid)
+            if not request.done.done():  # its caller may have been cancelled meanwhile
+                request.done.set_exception(GenerationInterrupted(generation.token_ids if generation else [],
+                                                                 generation.log_probs if generation else []))
+        self._emptied()
 
     async def _serve(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
+            if self._held:
+                await self._interrupt_all(loop)
             if not self._running:
                 self._arrived.clear()
                 if not self._arrivals:
                     await self._arrived.wait()
-                await asyncio.sleep(self.window_s)
+                if not self._held:
+                    await asyncio.sleep(self.window_s)
+                if self._held:  # an interrupt came meanwhile
+                    continue
             arrivals, self._arrivals = self._arrivals, []
             cancelled = [rid for rid, request in self._running.items() if request.done.cancelled()]
             aborted, self._orphans = cancelled + self._orphans, []
@@ -233,10 +295,8 @@ class StreamingEngine:
                 del self._running[rid]
             already_running = len(self._running)
             self._running.update(arrivals)
-            if self._thread is None:
-                self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rlf-engine-step")
             started = time.perf_counter()
-            self._step = loop.run_in_executor(self._thread, self._advance, arrivals, aborted, already_running)
+            self._step = loop.run_in_executor(self._step_thread(), self._advance, arrivals, aborted, already_running)
             try:
                 refused, finished, steps = await asyncio.shield(self._step)
             except asyncio.CancelledError:
@@ -249,6 +309,7 @@ class StreamingEngine:
                     if not request.done.done():
                         request.done.set_exception(self.failure)
                 self._orphans, self._running, self._arrivals = list(self._running), {}, []
+                self._emptied()
                 return
             finally:
                 self.busy_s += time.perf_counter() - started
@@ -265,6 +326,11 @@ class StreamingEngine:
                 self.requests += 1
                 if not request.done.done():  # its caller may have been cancelled meanwhile
                     request.done.set_result((list(generation.token_ids), list(generation.log_probs)))
+
+    def _step_thread(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._thread is None:
+            self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rlf-engine-step")
+        return self._thread
 
     def _advance(self, arrivals: list[tuple[str, _Request]], aborted: list[str], already_running: int):
         """In the step thread, the engine's only caller while it runs: (refused, finished, steps).
@@ -287,7 +353,7 @@ class StreamingEngine:
         while True:
             finished = self.engine.step()
             steps += 1
-            if finished or self._arrivals or self._stopping:  # read across threads: a stale answer costs a step
+            if finished or self._arrivals or self._stopping or self._held:  # read across threads: a stale answer costs a step
                 return refused, finished, steps
 
 
@@ -303,6 +369,7 @@ class RemoteStreamingEngine:
     turn starts while other calls still decode. An error of the call itself (the engine's process
     died) reaches every caller of the call that has no result yet. A caller cancelled meanwhile
     does not stop its request (the engine finishes it); closing cancels the calls under way.
+    `interrupt()`/`release()` go to the engine's own front (see StreamingEngine).
     """
 
     def __init__(self, engine, window_s: float = 0.01):
@@ -317,9 +384,12 @@ class RemoteStreamingEngine:
         self._calls: set[asyncio.Task] = set()
         self._in_flight = 0
         self._busy_since = 0.0
+        self._held = False  # between interrupt() and release()
 
     async def generate(self, prompt_token_ids: list[int], sampling: dict[str, Any]) -> tuple[list[int], list[float]]:
         config = sampling_config(sampling)  # bad keys fail in the caller, not in the engine
+        if self._held:
+            raise GenerationInterrupted([], [])
         if self._worker is None or self._worker.done():
             # First call, or the previous event loop is gone (and with it its calls and callers).
             self._pending, self._calls, self._in_flight = [], set(), 0
@@ -329,6 +399,20 @@ class RemoteStreamingEngine:
         self._pending.append(request)
         self._arrived.set()
         return await request.done
+
+    async def interrupt(self) -> None:
+        """Requests not yet sent end here with no tokens; the engine's side ends those it runs
+        after its current step (their callers get what each generated). Returns once it has."""
+        self._held = True
+        pending, self._pending = self._pending, []
+        for request in pending:
+            if not request.done.done():
+                request.done.set_exception(GenerationInterrupted([], []))
+        await self.engine.interrupt()
+
+    async def release(self) -> None:
+        self._held = False
+        await self.engine.release()
 
     async def close(self) -> None:
         """Stop calling (the engine stays open; its owner closes it); waiting callers are cancelled."""
@@ -345,6 +429,8 @@ class RemoteStreamingEngine:
             await asyncio.sleep(self.window_s)
             batch, self._pending = self._pending, []
             self._arrived.clear()
+            if not batch:  # an interrupt ended them meanwhile
+                continue
             call = asyncio.create_task(self._call(batch))
             self._calls.add(call)
             call.add_done_callback(self._calls.discard)

@@ -177,6 +177,26 @@ class VLLMEngine:
     def abort(self, request_ids: list[str]) -> None:
         self.llm.llm_engine.abort_request(list(request_ids))
 
+    def interrupt(self, request_ids: list[str]) -> dict[str, Generation]:
+        """Ends running requests between two steps: what each generated so far (its tokens and
+        their log-probs; a request not yet scheduled has none). A partial rollout continues
+        them later, as new requests that take these tokens as part of their prompt."""
+        processor = self.llm.llm_engine.output_processor
+        partial = {}
+        for request_id in request_ids:
+            # vLLM keys its per-request state by an internal id; FINAL_ONLY requests still keep
+            # their tokens and log-probs there, to build the final output from.
+            for internal in processor.external_req_ids.get(request_id, ()):
+                state = processor.request_states.get(internal)
+                if state is None:
+                    continue
+                ids = list(state.detokenizer.output_token_ids)
+                steps = state.logprobs_processor.logprobs or []
+                partial[request_id] = Generation(ids, [step[token].logprob for step, token in zip(steps, ids)],
+                                                 "interrupted")
+        self.abort(request_ids)
+        return partial
+
     def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Load one bucket of a weight update in place (it must hold whole fused groups: q,k,v together;
         gate,up together); `finish_weight_update` ends the update."""

@@ -47,11 +47,12 @@ class VLLMEngineHost:
     An async actor: `stream` calls run at once on its event loop, all through one
     StreamingEngine that steps the engine in a thread of its own, so a call that arrives joins the
     running batch at the next step. The plain methods (weight loading among them) run between
-    streams: the router pauses engine calls for a weight sync."""
+    streams: the router pauses engine calls for a weight sync, and under partial rollout
+    `interrupt`s the requests under way first (they go on as new requests on the new weights)."""
 
     def __init__(self, hf_dir: str, **engine_kwargs) -> None:
         self.engine = VLLMEngine(hf_dir, in_process=True, **engine_kwargs)
-        self.front = None  # the StreamingEngine, made on the actor's event loop by the first stream
+        self.front = None  # the StreamingEngine, made by the first stream or interrupt
         self.group = None
         self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
@@ -63,14 +64,11 @@ class VLLMEngineHost:
         for a request the engine refused; a cancelled call aborts its unfinished requests."""
         import asyncio
 
-        from rlfactory_megatron.rollout.async_engine import StreamingEngine
-
-        if self.front is None:
-            self.front = StreamingEngine(self.engine)
+        front = self._front()
 
         async def one(index: int):
             try:
-                return index, await self.front.generate(prompts[index], samplings[index])
+                return index, await front.generate(prompts[index], samplings[index])
             except Exception as exc:  # noqa: BLE001 - that request's error, for its caller
                 return index, exc
 
@@ -81,6 +79,20 @@ class VLLMEngineHost:
         finally:
             for request in requests:
                 request.cancel()
+
+    def _front(self):
+        from rlfactory_megatron.rollout.async_engine import StreamingEngine
+
+        if self.front is None:
+            self.front = StreamingEngine(self.engine)
+        return self.front
+
+    async def interrupt(self) -> None:
+        """Ends the requests in the engine after its current step (partial rollout); see StreamingEngine."""
+        await self._front().interrupt()
+
+    async def release(self) -> None:
+        await self._front().release()
 
     def engine_steps(self) -> int:
         """Forward passes the engine has made for `stream` calls."""
@@ -143,6 +155,12 @@ class RayVLLMEngine:
                     self._ray.cancel(returns)
                 except Exception:  # noqa: BLE001 - the actor is gone already
                     pass
+
+    async def interrupt(self) -> None:
+        await self.actor.interrupt.remote()
+
+    async def release(self) -> None:
+        await self.actor.release.remote()
 
     def weight_names(self):
         """The names and shapes a sync must deliver: those of the checkpoint the actor started from,

@@ -9,13 +9,19 @@ are the ones it would have had; the owner replaces the engine (`revive`) between
 
 Weight updates while trajectories are in flight (asynchronous RL) go through `pause()`: new
 engine calls wait, the ones running finish, the owner syncs the weights and `resume(version)`s.
-Every call therefore runs on one weight version, which the trajectory's session records for the
-tokens it generated.
+With `pause(interrupt=True)` (partial rollout) the running ones do not finish: the engines end
+them between two decode steps, and each goes on after the resume as a new request whose prompt
+holds the tokens it had (its KV is computed again, by the new weights: the tokens after the
+update are exactly theirs). Every engine call runs on one weight version, which the trajectory's
+session records for the tokens that call generated.
 """
 from __future__ import annotations
 
 import asyncio
 from typing import Any, Callable, Protocol
+
+from rlfactory_megatron.rollout.async_engine import GenerationInterrupted
+from rlfactory_megatron.rollout.engines import SamplingConfig
 
 
 class AsyncEngine(Protocol):
@@ -52,6 +58,7 @@ class EngineRouter:
         self._open: asyncio.Event | None = None  # set: calls may start; created in the serving loop
         self._idle: asyncio.Event | None = None  # set: no call is under way
         self._events_loop = None
+        self._interrupted: list[int] = []  # engines interrupted by the pause under way
 
     def session(self) -> "Session":
         """What one trajectory generates through: sticks to the engine of its first turn."""
@@ -82,38 +89,73 @@ class EngineRouter:
             self._idle.set()
         return self._open, self._idle
 
-    async def pause(self) -> None:
-        """Returns once no engine call is under way; calls made meanwhile wait for `resume`."""
+    async def pause(self, interrupt: bool = False) -> None:
+        """Returns once no engine call is under way; calls made meanwhile wait for `resume`.
+        `interrupt`: the engines that can end their requests between two decode steps do so now
+        (a long turn does not hold the update back); the requests go on after `resume`."""
         opened, idle = self._events()
         opened.clear()
+        if interrupt:
+            self._interrupted = [i for i, engine in enumerate(self.engines)
+                                 if i not in self.failed and callable(getattr(engine, "interrupt", None))]
+            # A dead engine's interrupt fails; its calls fail too and go to the other engines.
+            await asyncio.gather(*(self.engines[i].interrupt() for i in self._interrupted), return_exceptions=True)
         await idle.wait()
 
     async def resume(self, version: int) -> None:
         """Calls go on, on weights of `version`."""
         self.version = version
+        interrupted, self._interrupted = self._interrupted, []
+        await asyncio.gather(*(self.engines[i].release() for i in interrupted), return_exceptions=True)
         self._events()[0].set()
 
     async def generate_on(self, index: int, prompt_token_ids: list[int],
-                          sampling: dict[str, Any]) -> tuple[list[int], list[float], int]:
-        """(token ids, log-probs, the weight version that generated them)."""
+                          sampling: dict[str, Any]) -> tuple[list[int], list[float], list[tuple[int, int]]]:
+        """(token ids, log-probs, [(weight version, tokens)] of the engine calls that generated
+        them: one, or more when weight updates interrupted the request)."""
         opened, idle = self._events()
+        ids, log_probs, spans = [], [], []
         self.outstanding[index] += 1
         try:
-            while not opened.is_set():  # a weight update is under way
-                await opened.wait()
-            version = self.version
-            self._running += 1
-            idle.clear()
-            try:
-                ids, log_probs = await self.engines[index].generate(prompt_token_ids, sampling)
-            finally:
-                self._running -= 1
-                if self._running == 0:
-                    idle.set()
+            while True:
+                while not opened.is_set():  # a weight update is under way
+                    await opened.wait()
+                version = self.version
+                self._running += 1
+                idle.clear()
+                interrupted = False
+                try:
+                    more, more_log_probs = await self.engines[index].generate(
+                        prompt_token_ids + ids, _continued(sampling, len(ids)))
+                except GenerationInterrupted as cut:
+                    more, more_log_probs, interrupted = cut.token_ids, cut.log_probs, True
+                finally:
+                    self._running -= 1
+                    if self._running == 0:
+                        idle.set()
+                ids, log_probs = ids + more, log_probs + more_log_probs
+                self.generated[index] += len(more)
+                if more or not interrupted:
+                    spans.append((version, len(more)))
+                if not interrupted or len(ids) >= _max_tokens(sampling):
+                    return ids, log_probs, spans
         finally:
             self.outstanding[index] -= 1
-        self.generated[index] += len(ids)
-        return ids, log_probs, version
+
+
+def _max_tokens(sampling: dict[str, Any]) -> int:
+    return sampling.get("max_tokens", SamplingConfig.max_tokens)
+
+
+def _continued(sampling: dict[str, Any], generated: int) -> dict[str, Any]:
+    """The sampling of a request interrupted after `generated` tokens, for the rest: the tokens
+    left, and a seed of its own (the original seed would draw the first tokens' numbers again)."""
+    if not generated:
+        return sampling
+    rest = {**sampling, "max_tokens": _max_tokens(sampling) - generated}
+    if rest.get("seed") is not None:
+        rest["seed"] = (rest["seed"] * 1_000_003 + generated) % 2**31
+    return rest
 
 
 class Session:
@@ -122,7 +164,7 @@ class Session:
     def __init__(self, router: EngineRouter) -> None:
         self.router = router
         self.engine: int | None = None
-        self.calls: list[tuple[int, int, int]] = []  # (engine, weight version, tokens) per call, in order
+        self.calls: list[tuple[int, int, int]] = []  # (engine, weight version, tokens) per engine call, in order
 
     async def generate(self, prompt_token_ids: list[int], sampling: dict[str, Any]) -> tuple[list[int], list[float]]:
         while True:
@@ -130,13 +172,13 @@ class Session:
                 # Chosen and counted before the first await: concurrent first turns spread out.
                 self.engine = self.router.least_loaded()
             try:
-                ids, log_probs, version = await self.router.generate_on(self.engine, prompt_token_ids, sampling)
+                ids, log_probs, spans = await self.router.generate_on(self.engine, prompt_token_ids, sampling)
             except Exception as exc:
                 if not self.router.is_failure(exc):
                     raise
                 self.router.fail(self.engine, exc)  # and the request runs again on another engine
                 continue
-            self.calls.append((self.engine, version, len(ids)))
+            self.calls += [(self.engine, version, tokens) for version, tokens in spans]
             return ids, log_probs
 
     def token_versions(self, generated: int) -> list[int]:

@@ -614,13 +614,14 @@ class RolloutPlane:
     def sync(self, actor_engine, version: int) -> None:
         """The actor's weights into every engine in one collective sync (disaggregated engines
         that died since the last one are replaced first, so they serve these weights). With
-        generation in flight (asynchronous RL), engine calls pause for it: calls under way finish
-        on the old weights, later ones run on the new."""
+        generation in flight (asynchronous RL), engine calls pause for it: calls under way end
+        after their engine's current decode step (partial rollout) or finish on the old weights,
+        and go on on the new ones."""
         from rlfactory_megatron.rollout.weight_sync import EngineLostError, WeightSyncError, sync_weights
 
         paused = self._loop_thread is not None and self.router is not None
         if paused:
-            self._run(self.router.pause())
+            self._run(self.router.pause(interrupt=self.cfg.trainer.partial_rollout))
         try:
             # An engine that dies during the sync is replaced and the whole sync runs again (the
             # others hold layers of two versions); one that keeps dying ends the run there.

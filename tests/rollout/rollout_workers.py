@@ -11,7 +11,7 @@ from rlfactory_megatron.actor.batch import RolloutBatch
 from rlfactory_megatron.config import load_config
 from rlfactory_megatron.models.builder import BuildOptions
 from rlfactory_megatron.models.hf_arch import load_arch
-from rlfactory_megatron.rollout.engines import SamplingConfig, VLLMEngine
+from rlfactory_megatron.rollout.engines import Generation, SamplingConfig, VLLMEngine
 from rlfactory_megatron.rollout.weight_sync import InProcessTransport, WeightSyncError, sync_weights
 from rlfactory_megatron.runtime.distributed import ParallelSizes, destroy_distributed, init_distributed
 from rlfactory_megatron.trainer.rollouts import RolloutPlane
@@ -200,5 +200,79 @@ def refused_sync_worker(hf_dir: str, refusal: str) -> dict:
             report["transport_calls"] = plane.transport.calls
             report["served_version"] = plane.transport.served_version
         return report
+    finally:
+        destroy_distributed()
+
+
+class SignallingEngine:
+    """`engine` whose step sets `reached` (in the event loop running it) once it has made `after`
+    steps, so that a test acts while requests are mid-decode."""
+
+    def __init__(self, engine, after: int):
+        import asyncio
+
+        self.engine, self.after, self.steps = engine, after, 0
+        self.loop = asyncio.get_running_loop()
+        self.reached = asyncio.Event()
+
+    def step(self):
+        finished = self.engine.step()
+        self.steps += 1
+        if self.steps == self.after:
+            self.loop.call_soon_threadsafe(self.reached.set)
+        return finished
+
+    def __getattr__(self, name):  # submit, abort, interrupt
+        return getattr(self.engine, name)
+
+
+def sync_mid_decode_worker(hf_dir: str) -> dict:
+    """Partial rollout's weight update between two decode steps: a request is cut after a few
+    steps, the actor's new weights are synced in, and it goes on. The engine's log-probs of its
+    tokens vs the policy that generated each: the initial one before the cut, the actor after."""
+    import asyncio
+
+    from rlfactory_megatron.rollout.async_engine import StreamingEngine
+    from rlfactory_megatron.rollout.router import EngineRouter
+
+    init_distributed(ParallelSizes(1, 1), seed=3)
+    try:
+        cfg = load_config(overrides=["actor.optim.lr=1e-3", "actor.optim.adam_eps=1e-4",
+                                     "actor.max_tokens_per_microbatch=256", "actor.mini_batch_size=16"])
+        arch = load_arch(hf_dir)
+        actor = Actor(cfg.actor, arch, hf_dir, BuildOptions(), total_steps=10)
+        initial = PolicyModel(arch, hf_dir, BuildOptions(), 256)
+        engine = VLLMEngine(hf_dir, max_model_len=128, max_num_seqs=8)
+        transport = InProcessTransport(engine)
+        generations = engine.generate(PROMPTS, SamplingConfig(n=2, max_tokens=12, seed=11))
+        batch, engine_lp = batch_from_generations(PROMPTS, generations)
+        actor.update(batch.with_fields(old_log_probs=engine_lp, advantages=torch.randn(batch.input_ids.shape)))
+
+        async def generate_across_the_update():
+            stepped = SignallingEngine(engine, after=6)
+            router = EngineRouter([StreamingEngine(stepped)])
+            session = router.session()
+            try:
+                request = asyncio.ensure_future(session.generate(PROMPTS[1], {"max_tokens": 60, "seed": 5}))
+                await stepped.reached.wait()
+                await router.pause(interrupt=True)
+                cut_before_done = not request.done()
+                await asyncio.to_thread(sync_weights, actor.engine, transport, 0.5, version=1)
+                await router.resume(transport.served_version)
+                ids, log_probs = await request
+                return ids, log_probs, session.calls, cut_before_done
+            finally:
+                await router.engines[0].close()
+
+        ids, log_probs, calls, cut_before_done = asyncio.run(generate_across_the_update())
+        batch, engine_lp = batch_from_generations([PROMPTS[1]], [[Generation(ids, log_probs)]])
+        start = len(PROMPTS[1])
+        before = calls[0][2]
+        gaps = {}
+        for name, policy in (("initial", initial), ("actor", actor)):
+            gap = (policy.compute_log_probs(batch)["log_probs"] - engine_lp)[0, start:start + len(ids)].abs()
+            gaps[name] = (gap[:before].max().item(), gap[before:].max().item())
+        engine.close()
+        return {"calls": calls, "tokens": len(ids), "gaps": gaps, "cut_before_done": cut_before_done}
     finally:
         destroy_distributed()

@@ -139,3 +139,54 @@ def test_an_engine_that_fails_a_step_inside_a_live_actor_counts_as_dead():
 
 async def _all(calls):
     return await asyncio.gather(*calls)
+
+
+def test_an_interrupting_pause_cuts_running_calls_and_each_goes_on_with_its_tokens_on_the_new_version():
+    # Partial rollout: pause(interrupt=True) has the engine end its calls now; after resume each
+    # goes on as a request whose prompt holds the tokens it had, for the tokens left, with a seed
+    # of its own (its own seed would repeat the first tokens' draws). An engine that cannot
+    # interrupt (here: the second) is waited for, as without the flag.
+    from rlfactory_megatron.rollout.async_engine import GenerationInterrupted
+
+    class Interruptible:
+        requests, busy_s = 0, 0.0
+
+        def __init__(self):
+            self.seen, self.cut, self.held = [], asyncio.Event(), False
+
+        async def generate(self, prompt, sampling):
+            self.seen.append((list(prompt), dict(sampling)))
+            if self.held:
+                raise GenerationInterrupted([], [])
+            if len(self.seen) == 1:
+                await self.cut.wait()
+                raise GenerationInterrupted([40, 41, 42], [-0.4, -0.41, -0.42])
+            return [50] * sampling["max_tokens"], [-0.5] * sampling["max_tokens"]
+
+        async def interrupt(self):
+            self.held = True
+            self.cut.set()
+
+        async def release(self):
+            self.held = False
+
+    cutting, waited = Interruptible(), Engine(0.05)
+    router = EngineRouter([cutting, waited])
+
+    async def run():
+        sessions = [router.session(), router.session()]
+        calls = [asyncio.create_task(s.generate([1, 2], {"max_tokens": 8, "seed": 5})) for s in sessions]
+        await asyncio.sleep(0.01)
+        await router.pause(interrupt=True)
+        assert calls[1].done() and not calls[0].done()  # the one that cannot interrupt finished
+        await router.resume(2)
+        return await asyncio.gather(*calls), sessions
+
+    (cut, whole), sessions = asyncio.run(run())
+    assert cut == ([40, 41, 42, 50, 50, 50, 50, 50], [-0.4, -0.41, -0.42] + [-0.5] * 5)
+    assert whole == ([7, 8], [-0.1, -0.2])
+    (first_prompt, first), (prompt, rest) = cutting.seen
+    assert first_prompt == [1, 2] and first == {"max_tokens": 8, "seed": 5}
+    assert prompt == [1, 2, 40, 41, 42] and rest["max_tokens"] == 5 and rest["seed"] not in (None, 5)
+    assert sessions[0].calls == [(0, 0, 3), (0, 2, 5)] and sessions[1].calls == [(1, 0, 2)]
+    assert router.outstanding == [0, 0]

@@ -2,11 +2,16 @@
 own request finishes, not when a batch does; samples are the batch path's; a bad request, a
 cancelled caller and a closed front each leave the rest served and the engine clean."""
 import asyncio
+import os
+import sys
 
 import pytest
 
 from rlfactory_megatron.rollout.async_engine import (
-    AsyncBatchingEngine, EngineStepError, StreamingEngine, sampling_config, serving)
+    AsyncBatchingEngine, EngineStepError, GenerationInterrupted, StreamingEngine, sampling_config, serving)
+
+sys.path.insert(0, os.path.dirname(__file__))
+from rollout_workers import SignallingEngine  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -145,6 +150,74 @@ def test_a_failed_engine_step_fails_every_caller_and_the_front_serves_no_more(en
     assert failed and all(isinstance(r, (EngineStepError, tuple)) for r in results), results
     assert "the engine failed a step: RuntimeError: injected" in str(failed[0])
     assert not engine.llm.llm_engine.has_unfinished_requests()
+
+
+def test_an_interrupt_ends_requests_between_steps_with_their_tokens_and_holds_later_ones(engine):
+    # Partial rollout's cut: each running request ends after the step under way with the tokens
+    # (and log-probs) it had, those a run without the cut generated first; until release(), a new
+    # request ends at once with none; then the front serves again.
+    config = {"temperature": 1.0, "max_tokens": 60}
+    reference = engine.generate([PROMPTS[0], PROMPTS[2]], sampling_config(config), seeds=[7, 8])
+
+    async def go():
+        stepped = SignallingEngine(engine, after=5)
+        front = StreamingEngine(stepped)
+        try:
+            running = [asyncio.ensure_future(front.generate(p, {**config, "seed": seed}))
+                       for p, seed in ((PROMPTS[0], 7), (PROMPTS[2], 8))]
+            await stepped.reached.wait()
+            await front.interrupt()
+            assert all(request.done() for request in running)  # interrupt() returns with the engine empty
+            cut = await asyncio.gather(*running, return_exceptions=True)
+            held = await asyncio.gather(front.generate(PROMPTS[1], {**config, "seed": 2}), return_exceptions=True)
+            await front.release()
+            after = await front.generate(PROMPTS[1], {"max_tokens": 4, "seed": 2})
+            return cut, held[0], after
+        finally:
+            await front.close()
+
+    cut, held, after = asyncio.run(go())
+    for interrupted, samples in zip(cut, reference):
+        assert isinstance(interrupted, GenerationInterrupted), cut
+        done = len(interrupted.token_ids)
+        assert 5 <= done < len(samples[0].token_ids) == 60, done
+        assert interrupted.token_ids == samples[0].token_ids[:done]
+        assert interrupted.log_probs == pytest.approx(samples[0].log_probs[:done], abs=1e-5)
+    assert isinstance(held, GenerationInterrupted) and held.token_ids == []
+    assert len(after[0]) == 4
+    assert not engine.llm.llm_engine.has_unfinished_requests()
+
+
+def test_an_interrupted_request_goes_on_after_the_resume_as_if_never_cut(engine):
+    # Through the router: a request cut mid-decode continues as a new request whose prompt holds
+    # its tokens. Greedy on unchanged weights, the continuation is exactly the uncut request (its
+    # KV computed again gives the same tokens and log-probs); the session records each engine call.
+    from rlfactory_megatron.rollout.router import EngineRouter
+
+    greedy = {"temperature": 0.0, "max_tokens": 60}
+    [[reference]] = engine.generate([PROMPTS[0]], sampling_config(greedy))
+    assert len(reference.token_ids) == 60  # no end-of-turn token before the cap
+
+    async def go():
+        stepped = SignallingEngine(engine, after=5)
+        router = EngineRouter([StreamingEngine(stepped)])
+        session = router.session()
+        try:
+            request = asyncio.ensure_future(session.generate(PROMPTS[0], greedy))
+            await stepped.reached.wait()
+            await router.pause(interrupt=True)
+            assert not request.done()  # held by the router until the weights are in
+            await router.resume(3)
+            return await request, session
+        finally:
+            await router.engines[0].close()
+
+    (ids, log_probs), session = asyncio.run(go())
+    assert ids == reference.token_ids
+    assert log_probs == pytest.approx(reference.log_probs, abs=1e-5)
+    (_, v0, before), (_, v1, rest) = session.calls
+    assert (v0, v1) == (0, 3) and before >= 5 and before + rest == 60
+    assert session.token_versions(60) == [0] * before + [3] * rest
 
 
 async def _once(engine):

@@ -164,3 +164,16 @@ def test_a_broken_broadcast_names_the_engines_lost_and_the_others_end_their_upda
     finally:
         for actor in actors:
             ray.kill(actor)
+
+
+def test_a_sync_between_two_decode_steps_cuts_a_request_and_its_later_tokens_are_the_new_weights(tiny_hf_dirs):
+    # Partial rollout: the router interrupts the engine mid-decode, the actor's update streams in,
+    # the request goes on. Its tokens carry the version that generated them, and the engine's
+    # log-probs equal the initial policy's before the cut and the updated actor's after it.
+    report = spawn_local_workers(rollout_workers.sync_mid_decode_worker, 1, tiny_hf_dirs["qwen3"])[0]
+    (engine0, v0, before), (engine1, v1, after) = report["calls"]
+    assert report["cut_before_done"] and (v0, v1) == (0, 1) and before >= 6 and after > 0, report
+    assert before + after == report["tokens"]
+    (initial_before, initial_after), (actor_before, actor_after) = report["gaps"]["initial"], report["gaps"]["actor"]
+    assert initial_before <= 1e-4 and actor_after <= 1e-4, report
+    assert actor_before > 1e-3 and initial_after > 1e-3, report  # the update did change the policy
