@@ -224,7 +224,7 @@ class StreamingEngine:
         self._held = True
         if self.failure is not None or self._worker is None or self._worker.done():
             return
-        if not (self._running or self._arrivals):
+        if not (self._running or self._arrivals or self._step is not None):
             return
         emptied = asyncio.get_running_loop().create_future()
         self._interrupting.append(emptied)
@@ -261,25 +261,49 @@ class StreamingEngine:
                 emptied.set_result(None)
         self._interrupting = []
 
-    async def _interrupt_all(self, loop) -> None:
-        """Ends the requests in the engine (and those about to join it) with what each generated."""
+    def _failed(self, exc: Exception, running: dict[str, _Request], arrivals: list[tuple[str, _Request]]) -> None:
+        """The engine failed (a step or an interrupt): every caller sees it, and so does every later one."""
+        self.failure = EngineStepError(f"the engine failed a step: {type(exc).__name__}: {str(exc).strip()[:300]}")
+        self.failure.__cause__ = exc
+        for request in [*running.values(), *(r for _, r in arrivals)]:
+            if not request.done.done():
+                request.done.set_exception(self.failure)
+        self._orphans, self._running, self._arrivals = list(running), {}, []
+        self._emptied()
+
+    async def _interrupt_all(self, loop) -> bool:
+        """Ends the requests in the engine (and those about to join it) with what each generated;
+        False if the engine failed meanwhile."""
         arrivals, running, orphans = self._arrivals, self._running, self._orphans
         self._arrivals, self._running, self._orphans = [], {}, []
         partial = {}
         if running or orphans:
-            partial = await loop.run_in_executor(self._step_thread(), self.engine.interrupt, [*running, *orphans])
+            self._step = loop.run_in_executor(self._step_thread(), self.engine.interrupt, [*running, *orphans])
+            try:
+                partial = await asyncio.shield(self._step)
+            except asyncio.CancelledError:  # closing: its callers are cancelled with it
+                for request in [*running.values(), *(r for _, r in arrivals)]:
+                    request.done.cancel()
+                raise
+            except Exception as exc:  # noqa: BLE001 - as a failed step
+                self._failed(exc, running, arrivals)
+                return False
+            finally:
+                if self._step is not None and self._step.done():
+                    self._step = None
         for rid, request in [*running.items(), *arrivals]:
             generation = partial.get(rid)
             if not request.done.done():  # its caller may have been cancelled meanwhile
                 request.done.set_exception(GenerationInterrupted(generation.token_ids if generation else [],
                                                                  generation.log_probs if generation else []))
         self._emptied()
+        return True
 
     async def _serve(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            if self._held:
-                await self._interrupt_all(loop)
+            if self._held and not await self._interrupt_all(loop):
+                return
             if not self._running:
                 self._arrived.clear()
                 if not self._arrivals:
@@ -301,15 +325,8 @@ class StreamingEngine:
                 refused, finished, steps = await asyncio.shield(self._step)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # every caller, running or waiting, sees the engine's failure
-                self.failure = EngineStepError(f"the engine failed a step: {type(exc).__name__}: "
-                                               f"{str(exc).strip()[:300]}")
-                self.failure.__cause__ = exc
-                for request in [*self._running.values(), *(r for _, r in self._arrivals)]:
-                    if not request.done.done():
-                        request.done.set_exception(self.failure)
-                self._orphans, self._running, self._arrivals = list(self._running), {}, []
-                self._emptied()
+            except Exception as exc:  # noqa: BLE001 - every caller, running or waiting, sees the engine's failure
+                self._failed(exc, self._running, self._arrivals)
                 return
             finally:
                 self.busy_s += time.perf_counter() - started

@@ -191,8 +191,7 @@ class VLLMEngine:
                 if state is None:
                     continue
                 ids = list(state.detokenizer.output_token_ids)
-                steps = state.logprobs_processor.logprobs or []
-                partial[request_id] = Generation(ids, [step[token].logprob for step, token in zip(steps, ids)],
+                partial[request_id] = Generation(ids, _token_log_probs(state.logprobs_processor.logprobs or [], ids),
                                                  "interrupted")
         self.abort(request_ids)
         return partial
@@ -243,8 +242,14 @@ def _sampling_params(sampling: SamplingConfig, seed: int | None):
 
 def _generation(completion) -> Generation:
     ids = list(completion.token_ids)
-    return Generation(ids, [step[token].logprob for step, token in zip(completion.logprobs, ids)],
-                      str(completion.finish_reason or ""))
+    return Generation(ids, _token_log_probs(completion.logprobs, ids), str(completion.finish_reason or ""))
+
+
+def _token_log_probs(steps, ids: list[int]) -> list[float]:
+    """The log-prob of each sampled token, from vLLM's per-step log-prob entries."""
+    if len(steps) != len(ids):  # a shorter list would shift every later token's log-prob
+        raise RuntimeError(f"vLLM returned {len(steps)} log-prob entries for {len(ids)} tokens")
+    return [step[token].logprob for step, token in zip(steps, ids)]
 
 
 class _DropExpectedReloadWarnings(logging.Filter):

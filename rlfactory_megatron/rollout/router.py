@@ -20,8 +20,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable, Protocol
 
-from rlfactory_megatron.rollout.async_engine import GenerationInterrupted
-from rlfactory_megatron.rollout.engines import SamplingConfig
+from rlfactory_megatron.rollout.async_engine import EngineStepError, GenerationInterrupted, sampling_config
 
 
 class AsyncEngine(Protocol):
@@ -59,6 +58,7 @@ class EngineRouter:
         self._idle: asyncio.Event | None = None  # set: no call is under way
         self._events_loop = None
         self._interrupted: list[int] = []  # engines interrupted by the pause under way
+        self._pauses = 0  # pauses begun: a call cut while none began says its engine is broken
 
     def session(self) -> "Session":
         """What one trajectory generates through: sticks to the engine of its first turn."""
@@ -78,7 +78,6 @@ class EngineRouter:
         """`engine` serves in place of failed engine `index` from now on."""
         self.engines[index] = engine
         self.failed.pop(index, None)
-        self.outstanding[index] = 0
 
     def _events(self) -> tuple[asyncio.Event, asyncio.Event]:
         """The pause's events, made in the loop that serves (again if an earlier loop is gone)."""
@@ -95,6 +94,7 @@ class EngineRouter:
         (a long turn does not hold the update back); the requests go on after `resume`."""
         opened, idle = self._events()
         opened.clear()
+        self._pauses += 1
         if interrupt:
             self._interrupted = [i for i, engine in enumerate(self.engines)
                                  if i not in self.failed and callable(getattr(engine, "interrupt", None))]
@@ -106,7 +106,10 @@ class EngineRouter:
         """Calls go on, on weights of `version`."""
         self.version = version
         interrupted, self._interrupted = self._interrupted, []
-        await asyncio.gather(*(self.engines[i].release() for i in interrupted), return_exceptions=True)
+        released = await asyncio.gather(*(self.engines[i].release() for i in interrupted), return_exceptions=True)
+        for index, outcome in zip(interrupted, released):
+            if isinstance(outcome, Exception) and index not in self.failed:
+                self.fail(index, outcome)  # it would cut every later request: its requests go elsewhere
         self._events()[0].set()
 
     async def generate_on(self, index: int, prompt_token_ids: list[int],
@@ -120,7 +123,9 @@ class EngineRouter:
             while True:
                 while not opened.is_set():  # a weight update is under way
                     await opened.wait()
-                version = self.version
+                if index in self.failed:  # it failed while this request waited (e.g. its release)
+                    raise EngineStepError(f"engine {index} failed during a weight update: {self.failed[index]}")
+                version, pauses = self.version, self._pauses
                 self._running += 1
                 idle.clear()
                 interrupted = False
@@ -128,6 +133,8 @@ class EngineRouter:
                     more, more_log_probs = await self.engines[index].generate(
                         prompt_token_ids + ids, _continued(sampling, len(ids)))
                 except GenerationInterrupted as cut:
+                    if self._pauses == pauses:  # no weight update asked for it: the engine is stuck in one
+                        raise EngineStepError(f"engine {index} cut a request with no weight update under way") from cut
                     more, more_log_probs, interrupted = cut.token_ids, cut.log_probs, True
                 finally:
                     self._running -= 1
@@ -137,14 +144,10 @@ class EngineRouter:
                 self.generated[index] += len(more)
                 if more or not interrupted:
                     spans.append((version, len(more)))
-                if not interrupted or len(ids) >= _max_tokens(sampling):
+                if not interrupted or len(ids) >= sampling_config(sampling).max_tokens:
                     return ids, log_probs, spans
         finally:
             self.outstanding[index] -= 1
-
-
-def _max_tokens(sampling: dict[str, Any]) -> int:
-    return sampling.get("max_tokens", SamplingConfig.max_tokens)
 
 
 def _continued(sampling: dict[str, Any], generated: int) -> dict[str, Any]:
@@ -152,7 +155,7 @@ def _continued(sampling: dict[str, Any], generated: int) -> dict[str, Any]:
     left, and a seed of its own (the original seed would draw the first tokens' numbers again)."""
     if not generated:
         return sampling
-    rest = {**sampling, "max_tokens": _max_tokens(sampling) - generated}
+    rest = {**sampling, "max_tokens": sampling_config(sampling).max_tokens - generated}
     if rest.get("seed") is not None:
         rest["seed"] = (rest["seed"] * 1_000_003 + generated) % 2**31
     return rest

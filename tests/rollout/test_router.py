@@ -190,3 +190,55 @@ def test_an_interrupting_pause_cuts_running_calls_and_each_goes_on_with_its_toke
     assert prompt == [1, 2, 40, 41, 42] and rest["max_tokens"] == 5 and rest["seed"] not in (None, 5)
     assert sessions[0].calls == [(0, 0, 3), (0, 2, 5)] and sessions[1].calls == [(1, 0, 2)]
     assert router.outstanding == [0, 0]
+
+
+def test_an_engine_that_stays_held_after_a_weight_update_counts_as_failed_and_its_requests_move():
+    # Its release failed (or it cuts requests with no update under way): a request there would be
+    # cut again forever. The router marks it failed, and the request runs again on another engine.
+    from rlfactory_megatron.rollout.async_engine import EngineStepError, GenerationInterrupted
+
+    class Stuck(Engine):
+        def __init__(self):
+            super().__init__(0.0)
+            self.cut = asyncio.Event()
+
+        async def generate(self, prompt, sampling):
+            self.requests += 1
+            await self.cut.wait()
+            raise GenerationInterrupted([5], [-0.5])
+
+        async def interrupt(self):
+            self.cut.set()
+
+        async def release(self):
+            raise ConnectionError("release lost")
+
+    def died(exc):
+        return isinstance(exc, EngineStepError)
+
+    stuck = Stuck()
+    router = EngineRouter([stuck, Engine(0.0)], is_failure=died)
+
+    async def run():
+        session = router.session()
+        call = asyncio.create_task(session.generate([3], {}))  # on engine 0, the least loaded
+        await asyncio.sleep(0.01)
+        await router.pause(interrupt=True)
+        await router.resume(1)
+        return await call, session
+
+    (ids, _), session = asyncio.run(run())
+    assert router.failed == {0: "ConnectionError: release lost"}
+    assert ids == [7, 8] and session.calls == [(1, 1, 2)] and stuck.requests == 1
+    assert router.outstanding == [0, 0]
+
+    # Cut with no weight update under way: the engine is stuck in one.
+    stuck = Stuck()
+    stuck.cut.set()
+    router = EngineRouter([stuck, Engine(0.0)], is_failure=died)
+
+    async def cut_for_nothing():
+        return await router.session().generate([3], {})
+
+    assert asyncio.run(cut_for_nothing())[0] == [7, 8]
+    assert "cut a request with no weight update under way" in router.failed[0]

@@ -220,6 +220,35 @@ def test_an_interrupted_request_goes_on_after_the_resume_as_if_never_cut(engine)
     assert session.token_versions(60) == [0] * before + [3] * rest
 
 
+def test_an_engine_that_fails_while_interrupted_fails_its_callers_and_the_interrupt_returns(engine):
+    # The engine core dies between two steps, so ending its requests fails: the interrupt still
+    # returns (a weight sync must not hang on it), the callers see the engine's death, which the
+    # router takes as such, and the front serves no more.
+    async def go():
+        stepped = SignallingEngine(engine, after=3)
+
+        def dead(request_ids):
+            raise RuntimeError("injected: the engine core died")
+
+        stepped.interrupt = dead
+        front = StreamingEngine(stepped)
+        try:
+            running = asyncio.ensure_future(front.generate(PROMPTS[0], {"max_tokens": 60, "seed": 3}))
+            await stepped.reached.wait()
+            await asyncio.wait_for(front.interrupt(), 60)
+            result = await asyncio.gather(running, return_exceptions=True)
+            later = await asyncio.gather(front.generate(PROMPTS[1], {"max_tokens": 2}), return_exceptions=True)
+            return result[0], later[0], list(front._orphans)
+        finally:
+            await front.close()
+
+    result, later, left_in_engine = asyncio.run(go())
+    engine.abort(left_in_engine)  # this test's leftovers, for the next tests on the shared engine
+    assert isinstance(result, EngineStepError) and "injected" in str(result)
+    assert isinstance(later, EngineStepError)
+    assert not engine.llm.llm_engine.has_unfinished_requests()
+
+
 async def _once(engine):
     front = StreamingEngine(engine)
     try:
@@ -301,3 +330,61 @@ def test_closing_a_hosted_front_mid_call_cancels_its_callers_and_the_engine_serv
             await front.close()
 
     assert len(asyncio.run(again())[0]) == 5
+
+
+def test_a_hosted_engine_cuts_its_requests_between_steps_and_the_cut_crosses_the_actor(hosted, engine):
+    # Partial rollout in a disaggregated engine: the client's interrupt reaches the actor's own
+    # front, which ends the running request after its current step; the caller gets the tokens
+    # it had (the uncut run's prefix) through the actor's stream, and the engine serves again
+    # after release. Steps slowed to 20 ms in the actor, so the cut lands mid-decode.
+    import ray
+
+    def slow_steps(host, delay_s: float):
+        """In the engine's actor: every engine step takes `delay_s` longer and is counted in
+        `host.slow_steps` (0: as it was)."""
+        import time
+
+        if delay_s == 0:
+            host.engine.__dict__.pop("step", None)
+            return
+        step = type(host.engine).step
+        host.slow_steps = 0
+
+        def slow():
+            time.sleep(delay_s)
+            host.slow_steps += 1
+            return step(host.engine)
+
+        host.engine.step = slow
+
+    def slow_steps_made(host) -> int:
+        return host.slow_steps
+
+    config = {"temperature": 1.0, "max_tokens": 100}
+    [[reference]] = engine.generate([PROMPTS[0]], sampling_config(config), seeds=[21])
+    assert len(reference.token_ids) == 100
+
+    async def go():
+        front = serving(hosted)
+        try:
+            running = asyncio.ensure_future(front.generate(PROMPTS[0], {**config, "seed": 21}))
+            while await hosted.actor.__ray_call__.remote(slow_steps_made) < 3:
+                await asyncio.sleep(0.01)
+            await front.interrupt()
+            cut = await asyncio.gather(running, return_exceptions=True)
+            held = await asyncio.gather(front.generate(PROMPTS[1], {"max_tokens": 3}), return_exceptions=True)
+            await front.release()
+            return cut[0], held[0], await front.generate(PROMPTS[1], {"max_tokens": 3, "seed": 4})
+        finally:
+            await front.close()
+
+    ray.get(hosted.actor.__ray_call__.remote(slow_steps, 0.02))
+    try:
+        cut, held, after = asyncio.run(go())
+    finally:
+        ray.get(hosted.actor.__ray_call__.remote(slow_steps, 0))
+    assert isinstance(cut, GenerationInterrupted), cut
+    assert 3 <= len(cut.token_ids) < 100 and cut.token_ids == reference.token_ids[:len(cut.token_ids)]
+    assert cut.log_probs == pytest.approx(reference.log_probs[:len(cut.token_ids)], abs=1e-5)
+    assert isinstance(held, GenerationInterrupted) and held.token_ids == []
+    assert len(after[0]) == 3
