@@ -18,14 +18,18 @@ NODES = ("n1", "n2")
 HOSTS_LINE = "127.0.0.1 " + " ".join(NODES) + "  # rlfactory-megatron slurm test"
 
 
+RAY_WORKER_PORTS_END = 19_999  # Ray's default max_worker_port
+
+
 def free_ports(count: int) -> list[int]:
     """Ports that are free now, each with the next one free too (train.sbatch's Ray head takes
     MASTER_PORT + 1), below the kernel's ephemeral range: a port picked now is bound later by
     slurmctld, slurmd or a job's rendezvous, and in between any process binding port 0 or opening a
-    connection may be handed a port of the ephemeral range, never one below it."""
+    connection may be handed a port of the ephemeral range, never one below it. Above Ray's worker
+    ports (10002-19999, its default): Ray refuses a head port among them, and its workers bind them."""
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     ports: list[int] = []
-    for port in random.Random().sample(range(10_000, low - 1, 2), 200):
+    for port in random.Random().sample(range(RAY_WORKER_PORTS_END + 1, low - 1, 2), 200):
         if all(_bindable(p) for p in (port, port + 1)):
             ports.append(port)
             if len(ports) == count:

@@ -3,6 +3,7 @@ training job starts Ray's head and worker, runs torchrun on both nodes (DP acros
 writes metrics, stops Ray and exits 0; a job whose rank is killed ends non-zero within a bounded
 time with the failing rank in its log and no allocation left; SIGUSR1 to a job stops its rank
 after a step with a checkpoint; the conversion template converts."""
+import contextlib
 import json
 import os
 import re
@@ -45,8 +46,9 @@ def _ray_processes_of(port: int) -> list[str]:
 
 def test_two_node_training_job(slurm, tmp_path):
     work = workdir(tmp_path)
+    port = free_ports(1)[0]
     done = slurm.sbatch("--nodes=2", *CPU_NODES, "slurm/train.sbatch", *TINY, "trainer.output_dir=outputs/slurm",
-                        cwd=work, env=block_env(tmp_path), timeout=1200)
+                        cwd=work, env={**block_env(tmp_path), "MASTER_PORT": str(port)}, timeout=1200)
     job = _job_id(done.stdout)
     log = _job_output(work, job)
     assert done.returncode == 0, log[-4000:]
@@ -56,8 +58,33 @@ def test_two_node_training_job(slurm, tmp_path):
     assert [r["step"] for r in steps if r["step"] > 0] == [1, 2]
     assert all(r["rollout/num_engines"] == 2 and r["train/dp_rows_min"] >= 1 for r in steps if r["step"] > 0)
     assert slurm.squeue() == ""  # nothing left allocated
-    ray_port = 20000 + int(job) % 20000 + 1
-    assert _ray_processes_of(ray_port) == []  # Ray stopped with the job
+    assert f"Ray n1:{port + 1}" in log  # the template's Ray port: MASTER_PORT + 1
+    assert _ray_processes_of(port + 1) == []  # Ray stopped with the job
+
+
+def test_a_job_whose_ray_head_cannot_start_ends_at_once_with_the_reason(slurm, tmp_path):
+    # Ray refuses a head port among its worker ports (10002-19999): the job ends there, where its
+    # ranks used to start and wait for Ray's GCS until the time limit.
+    work = workdir(tmp_path)
+    done = slurm.sbatch("--nodes=2", *CPU_NODES, "slurm/train.sbatch", *TINY, cwd=work,
+                        env={**block_env(tmp_path), "RAY_PORT": "15001"}, timeout=600)
+    log = _job_output(work, _job_id(done.stdout))
+    assert done.returncode != 0 and "rlf-train.sbatch: Ray's head did not start at n1:15001" in log, log[-3000:]
+    assert "training exited" not in log  # no rank started
+    assert slurm.squeue() == ""
+
+
+@contextlib.contextmanager
+def _submitted(slurm, work: Path, env: dict[str, str], *sbatch_args: str):
+    """A job submitted without waiting (its id), cancelled on the way out, passed or failed: a
+    failed test's job would hold the nodes, and the next tests' jobs would wait for them."""
+    submitted = subprocess.run(["sbatch", "--parsable", *sbatch_args], cwd=work, env=env,
+                               capture_output=True, text=True, check=True)
+    job = submitted.stdout.strip().split(";")[0]
+    try:
+        yield job
+    finally:
+        subprocess.run(["scancel", job], env=env, capture_output=True)
 
 
 def _rank_pid(job: str, rank: int) -> int | None:
@@ -78,42 +105,40 @@ def test_killed_rank_ends_the_job_non_zero(slurm, tmp_path):
     work = workdir(tmp_path)
     env = {**slurm.env(), **block_env(tmp_path), "MASTER_PORT": str(free_ports(1)[0])}  # as slurm.sbatch does
     args = [*TINY, "trainer.total_steps=50", "trainer.output_dir=outputs/killed"]
-    submitted = subprocess.run(["sbatch", "--parsable", "--nodes=2", *CPU_NODES, "slurm/train.sbatch", *args],
-                               cwd=work, env=env, capture_output=True, text=True, check=True)
-    job = submitted.stdout.strip().split(";")[0]
-    metrics = work / "outputs" / "killed" / "metrics.jsonl"
-    deadline = time.monotonic() + 900
-    while not (metrics.exists() and '"step": 1' in metrics.read_text()):  # training is under way
-        assert time.monotonic() < deadline and job in slurm.squeue(), _job_output(work, job)[-3000:]
-        time.sleep(1)
-    pid = _rank_pid(job, rank=1)
-    assert pid, "no rank-1 process found"
-    os.kill(pid, signal.SIGKILL)
-    killed_at = time.monotonic()
-    while job in slurm.squeue():
-        assert time.monotonic() - killed_at < 120, "the job outlived its killed rank by 2 minutes"
-        time.sleep(1)
-    state = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True).stdout
-    log = _job_output(work, job)
-    assert "training exited with status 0" not in log and "training exited with status" in log, log[-3000:]
-    assert "ExitCode=0:0" not in state, state
-    # which rank failed, and how: torchrun's report ("rank : 1 (local_rank: 0)", "exitcode : -9 ... (SIGKILL)")
-    assert re.search(r"rank\s*:\s*1 \(local_rank", log) and "SIGKILL" in log, log[-3000:]
-    assert slurm.squeue() == ""
-    # The killed rank's vLLM engine core (its child) ends too: this test cluster tracks a job's
-    # processes by parentage (proctrack/linuxproc), which an orphan escapes, so it is the rank's
-    # reaper (runtime/reaper.py) that ends it. (vLLM renames its processes, which blanks their
-    # environment: they are found by working folder.)
-    deadline = time.monotonic() + 30
-    while _processes_working_in(work) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    left = {pid: _cmdline(pid) for pid in _processes_working_in(work)}
-    for pid in left:  # so that nothing holds memory for later tests, even when this fails
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert not left, f"processes outlived the killed job: {left}"
+    with _submitted(slurm, work, env, "--nodes=2", *CPU_NODES, "slurm/train.sbatch", *args) as job:
+        metrics = work / "outputs" / "killed" / "metrics.jsonl"
+        deadline = time.monotonic() + 600  # before pytest's 900 s: the job's log in the failure
+        while not (metrics.exists() and '"step": 1' in metrics.read_text()):  # training is under way
+            assert time.monotonic() < deadline and job in slurm.squeue(), _job_output(work, job)[-3000:]
+            time.sleep(1)
+        pid = _rank_pid(job, rank=1)
+        assert pid, "no rank-1 process found"
+        os.kill(pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        while job in slurm.squeue():
+            assert time.monotonic() - killed_at < 120, "the job outlived its killed rank by 2 minutes"
+            time.sleep(1)
+        state = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True).stdout
+        log = _job_output(work, job)
+        assert "training exited with status 0" not in log and "training exited with status" in log, log[-3000:]
+        assert "ExitCode=0:0" not in state, state
+        # which rank failed, and how: torchrun's report ("rank : 1 (local_rank: 0)", "exitcode : -9 ... (SIGKILL)")
+        assert re.search(r"rank\s*:\s*1 \(local_rank", log) and "SIGKILL" in log, log[-3000:]
+        assert slurm.squeue() == ""
+        # The killed rank's vLLM engine core (its child) ends too: this test cluster tracks a job's
+        # processes by parentage (proctrack/linuxproc), which an orphan escapes, so it is the rank's
+        # reaper (runtime/reaper.py) that ends it. (vLLM renames its processes, which blanks their
+        # environment: they are found by working folder.)
+        deadline = time.monotonic() + 30
+        while _processes_working_in(work) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = {pid: _cmdline(pid) for pid in _processes_working_in(work)}
+        for pid in left:  # so that nothing holds memory for later tests, even when this fails
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        assert not left, f"processes outlived the killed job: {left}"
 
 
 def test_usr1_stops_the_job_after_a_step_with_a_checkpoint(slurm, tmp_path):
@@ -122,26 +147,24 @@ def test_usr1_stops_the_job_after_a_step_with_a_checkpoint(slurm, tmp_path):
     work = workdir(tmp_path)
     env = {**slurm.env(), **block_env(tmp_path), "MASTER_PORT": str(free_ports(1)[0])}
     args = [*TINY, "trainer.total_steps=50", "trainer.output_dir=outputs/stopped"]
-    submitted = subprocess.run(["sbatch", "--parsable", "--nodes=1", *CPU_NODES, "slurm/train.sbatch", *args],
-                               cwd=work, env=env, capture_output=True, text=True, check=True)
-    job = submitted.stdout.strip().split(";")[0]
-    run = work / "outputs" / "stopped"
-    deadline = time.monotonic() + 900
-    while not ((run / "metrics.jsonl").exists() and '"step": 1' in (run / "metrics.jsonl").read_text()):
-        assert time.monotonic() < deadline and job in slurm.squeue(), _job_output(work, job)[-3000:]
-        time.sleep(1)
-    subprocess.run(["scancel", "--signal=USR1", job], env=env, check=True)
-    signalled = time.monotonic()
-    while job in slurm.squeue():
-        assert time.monotonic() - signalled < 180, "the job did not stop within 3 minutes of SIGUSR1"
-        time.sleep(1)
-    log = _job_output(work, job)
-    stopped = re.search(r"stopped by SIGUSR1 after step (\d+)/50; checkpoint (\S+);", log)
-    assert stopped, log[-3000:]
-    assert (work / stopped.group(2) / "trainer_state.json").is_file()  # relative to the job's folder
-    assert "training exited with status 0" not in log  # the run did not finish
-    assert slurm.squeue() == ""
-    assert _ray_processes_of(20000 + int(job) % 20000 + 1) == []
+    with _submitted(slurm, work, env, "--nodes=1", *CPU_NODES, "slurm/train.sbatch", *args) as job:
+        run = work / "outputs" / "stopped"
+        deadline = time.monotonic() + 600  # before pytest's 900 s: the job's log in the failure
+        while not ((run / "metrics.jsonl").exists() and '"step": 1' in (run / "metrics.jsonl").read_text()):
+            assert time.monotonic() < deadline and job in slurm.squeue(), _job_output(work, job)[-3000:]
+            time.sleep(1)
+        subprocess.run(["scancel", "--signal=USR1", job], env=env, check=True)
+        signalled = time.monotonic()
+        while job in slurm.squeue():
+            assert time.monotonic() - signalled < 180, "the job did not stop within 3 minutes of SIGUSR1"
+            time.sleep(1)
+        log = _job_output(work, job)
+        stopped = re.search(r"stopped by SIGUSR1 after step (\d+)/50; checkpoint (\S+);", log)
+        assert stopped, log[-3000:]
+        assert (work / stopped.group(2) / "trainer_state.json").is_file()  # relative to the job's folder
+        assert "training exited with status 0" not in log  # the run did not finish
+        assert slurm.squeue() == ""
+        assert _ray_processes_of(int(env["MASTER_PORT"]) + 1) == []
 
 
 def _cmdline(pid: int) -> str:
