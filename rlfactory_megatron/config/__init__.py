@@ -20,6 +20,7 @@ CHOICES: dict[str, tuple] = {
     "rollout.mode": ("colocated", "disaggregated"),
     "tools.channel": ("auto", "unix", "tcp"),
     "tools.turn_schedule": ("per_sample", "lockstep"),
+    "logging.wandb_mode": ("online", "offline"),
 }
 POSITIVE_INTS = ("parallel.tp", "parallel.pp", "rollout.n", "rollout.tp", "actor.ppo_epochs",
                  "actor.mini_batch_size", "actor.max_tokens_per_microbatch", "trainer.total_steps",
@@ -148,6 +149,22 @@ def validate_static(cfg) -> None:
     if cfg.parallel.vpp is not None and cfg.parallel.pp < 2:
         raise ConfigError(f"parallel.vpp={cfg.parallel.vpp} needs parallel.pp >= 2 (or set parallel.vpp=null)")
     _check_rewards_and_tools(cfg)
+    _check_wandb(cfg.logging)
+
+
+def _check_wandb(logging) -> None:
+    """wandb settings without a project would be ignored; a project without wandb installed would
+    be found out at the first step (and only in the rank's log)."""
+    if logging.wandb_project is None:
+        ignored = [f"logging.{k}" for k in ("wandb_name", "wandb_entity", "wandb_tags") if logging[k]]
+        if ignored:
+            raise ConfigError(f"{', '.join(ignored)} set without logging.wandb_project: give the project (or drop them)")
+        return
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"logging.wandb_project='{logging.wandb_project}' needs wandb, which is not installed: "
+                          ".venv/bin/pip install wandb (or ./install.sh), or drop logging.wandb_project") from None
 
 
 def _check_ranges(cfg) -> None:

@@ -189,7 +189,13 @@ class TrainerConfig:
 class LoggingConfig:
     jsonl: bool = True  # <output_dir>/metrics.jsonl, one object per step
     tensorboard: bool = True  # <output_dir>/tensorboard
-    wandb_project: Optional[str] = None  # also log to this wandb project (wandb must be installed)
+    # Weights & Biases (installed in both stacks): also log every step to this project, with the
+    # run's whole config; a resumed run continues the same wandb run (its id is in the checkpoint).
+    wandb_project: Optional[str] = None
+    wandb_name: Optional[str] = None  # the wandb run's name (null: the output folder's name)
+    wandb_entity: Optional[str] = None  # the team or user the run goes to (null: wandb's default)
+    wandb_tags: list[str] = field(default_factory=list)  # tags of the wandb run
+    wandb_mode: str = "online"  # online | offline (written under <output_dir>/wandb; `wandb sync` uploads it later)
     log_every: int = 1  # a console progress line every N steps (and the last); the metric files get every step
 
 

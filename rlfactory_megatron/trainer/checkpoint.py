@@ -16,9 +16,10 @@ def checkpoint_dir(output: Path, step: int) -> Path:
 
 
 def save_checkpoint(output: Path, step: int, actor, critic, sampler, keep_last: int,
-                    files: dict[str, bytes] | None = None) -> Path:
+                    files: dict[str, bytes] | None = None, wandb_run_id: str | None = None) -> Path:
     """Collective: every rank saves its shards; rank 0 writes `files` (name -> bytes), then the
-    state last (its presence marks the checkpoint complete) and drops the oldest checkpoints."""
+    state last (its presence marks the checkpoint complete) and drops the oldest checkpoints.
+    `wandb_run_id`: the wandb run a resume of this checkpoint logs into."""
     directory = checkpoint_dir(output, step)
     actor.engine.check_finite("the checkpoint")
     actor.engine.save(directory / "actor")
@@ -27,7 +28,8 @@ def save_checkpoint(output: Path, step: int, actor, critic, sampler, keep_last: 
     if dist.get_rank() == 0:
         for name, data in (files or {}).items():
             (directory / name).write_bytes(data)
-        (directory / STATE_FILE).write_text(json.dumps({"step": step, "sampler": sampler.state_dict()}))
+        (directory / STATE_FILE).write_text(json.dumps({"step": step, "sampler": sampler.state_dict(),
+                                                        "wandb_run_id": wandb_run_id}))
         kept = sorted((output / "checkpoints").glob("step_*"))
         for old in kept[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
@@ -49,11 +51,12 @@ def resume_directory(choice: str, output: Path) -> Path | None:
     return directory
 
 
-def load_checkpoint(directory: Path, actor, critic, sampler) -> int:
-    """Restore models, optimizers, schedulers and the sampler position; returns the step."""
+def load_checkpoint(directory: Path, actor, critic, sampler) -> tuple[int, str | None]:
+    """Restore models, optimizers, schedulers and the sampler position; returns the step and
+    the wandb run id the checkpoint's run logged into (None: none, or an older checkpoint)."""
     state = json.loads((directory / STATE_FILE).read_text())
     actor.engine.load(directory / "actor")
     if critic is not None:
         critic.engine.load(directory / "critic")
     sampler.load_state_dict(state["sampler"])
-    return int(state["step"])
+    return int(state["step"]), state.get("wandb_run_id")

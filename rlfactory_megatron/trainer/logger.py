@@ -2,14 +2,26 @@
 from __future__ import annotations
 
 import json
-import sys
 import time
+import uuid
 from pathlib import Path
+
+
+def wandb_settings(cfg) -> dict | None:
+    """`wandb.init` arguments from the logging.wandb_* keys (None: no wandb), the whole config included."""
+    from omegaconf import OmegaConf
+
+    logging = cfg.logging
+    if logging.wandb_project is None:
+        return None
+    return {"project": logging.wandb_project, "name": logging.wandb_name or Path(cfg.trainer.output_dir).name,
+            "entity": logging.wandb_entity, "tags": list(logging.wandb_tags), "mode": logging.wandb_mode,
+            "config": OmegaConf.to_container(cfg, resolve=True)}
 
 
 class MetricsLogger:
     def __init__(self, output_dir: str | Path, total_steps: int, jsonl: bool = True, tensorboard: bool = True,
-                 wandb_project: str | None = None, progress_every: int = 1) -> None:
+                 wandb: dict | None = None, progress_every: int = 1) -> None:
         self.dir = Path(output_dir)
         self.progress_every = progress_every  # console lines; the metric files get every step
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -20,21 +32,19 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(self.dir / "tensorboard"))
+        # wandb starts with the first record, once `rewind` has said which run a resumed one continues.
+        self._wandb_init = wandb
         self.wandb = None
-        if wandb_project:
-            try:
-                import wandb
-            except ImportError:
-                print("rlf-train: logging.wandb_project is set but wandb is not installed; skipping wandb",
-                      file=sys.stderr)
-            else:
-                self.wandb = wandb.init(project=wandb_project, dir=str(self.dir))
+        self.wandb_run_id: str | None = None  # kept in checkpoints, so that a resumed run logs into the same run
+        if wandb is not None:
+            self.wandb_run_id = uuid.uuid4().hex[:8]  # wandb's own ids are 8 characters of [a-z0-9]
         self._start: float | None = None  # set at the first step, so set-up and warm-start don't skew the ETA
         self._first_step: int | None = None
 
-    def rewind(self, step: int) -> None:
+    def rewind(self, step: int, wandb_run_id: str | None = None) -> None:
         """After resuming at `step`: forget what a killed run logged past it, so every step is
-        recorded once (metrics.jsonl rows dropped, TensorBoard events purged)."""
+        recorded once (metrics.jsonl rows dropped, TensorBoard events purged), and go on in the
+        wandb run the checkpoint names."""
         if self.jsonl:
             self.jsonl.close()
             path = self.dir / "metrics.jsonl"
@@ -47,6 +57,17 @@ class MetricsLogger:
 
             self.tb.close()
             self.tb = SummaryWriter(str(self.dir / "tensorboard"), purge_step=step + 1)
+        if self._wandb_init is not None and wandb_run_id is not None:
+            self.wandb_run_id = wandb_run_id
+
+    def _wandb_run(self):
+        if self.wandb is None and self._wandb_init is not None:
+            import wandb
+
+            # quiet: the console is the run's progress lines; wandb's banner goes to its own log.
+            self.wandb = wandb.init(**self._wandb_init, id=self.wandb_run_id, resume="allow", dir=str(self.dir),
+                                    settings=wandb.Settings(quiet=True))
+        return self.wandb
 
     def log(self, step: int, metrics: dict[str, float], progress: bool = True) -> None:
         record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
@@ -58,8 +79,11 @@ class MetricsLogger:
                 if key != "step":
                     self.tb.add_scalar(key, value, step)
             self.tb.flush()
-        if self.wandb:
-            self.wandb.log(record, step=step)
+        run = self._wandb_run()
+        # A resumed wandb run already holds the steps the killed run logged past the checkpoint; a
+        # resumed run is exact, so those steps' values are the ones it would log again.
+        if run is not None and step >= run.step:
+            run.log(record, step=step)
         if progress:
             line = self.progress_line(step, metrics)  # also keeps the ETA's clock
             if step % self.progress_every == 0 or step == self.total_steps:

@@ -28,7 +28,7 @@ from rlfactory_megatron.models.hf_arch import load_arch
 from rlfactory_megatron.runtime.stop import StopRequest
 from rlfactory_megatron.trainer.data import PromptRecord, PromptSampler, load_prompts
 from rlfactory_megatron.trainer.dynamic_sampling import informative_rollouts
-from rlfactory_megatron.trainer.logger import MetricsLogger
+from rlfactory_megatron.trainer.logger import MetricsLogger, wandb_settings
 from rlfactory_megatron.trainer.presets import apply_preset
 from rlfactory_megatron.trainer.checkpoint import checkpoint_dir, load_checkpoint, resume_directory, save_checkpoint
 from rlfactory_megatron.trainer.pipeline import AHEAD_FILE, RolloutPipeline
@@ -86,7 +86,7 @@ class Trainer:
         self.correction = correction_settings(cfg.actor.rollout_correction, asynchronous=self.pipeline is not None)
         if self.is_leader:
             self.logger = MetricsLogger(self.output, cfg.trainer.total_steps, cfg.logging.jsonl,
-                                        cfg.logging.tensorboard, cfg.logging.wandb_project,
+                                        cfg.logging.tensorboard, wandb_settings(cfg),
                                         progress_every=cfg.logging.log_every)
 
     # ------------------------------------------------------------------ set-up
@@ -315,18 +315,19 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         ahead = self.pipeline.state() if self.pipeline is not None else None
         return save_checkpoint(self.output, self.step_index, self.actor, self.critic, self.sampler,
-                               self.cfg.trainer.keep_last, files={AHEAD_FILE: ahead} if ahead is not None else None)
+                               self.cfg.trainer.keep_last, files={AHEAD_FILE: ahead} if ahead is not None else None,
+                               wandb_run_id=self.logger.wandb_run_id if self.logger is not None else None)
 
     def _maybe_resume(self) -> None:
         directory = resume_directory(self.cfg.trainer.resume, self.output)
         if directory is None:
             return
-        self.step_index = load_checkpoint(directory, self.actor, self.critic, self.sampler)
+        self.step_index, wandb_run_id = load_checkpoint(directory, self.actor, self.critic, self.sampler)
         if self.pipeline is not None:
             self.pipeline.restore(directory)
         self._sync_weights()
         if self.is_leader:
-            self.logger.rewind(self.step_index)
+            self.logger.rewind(self.step_index, wandb_run_id)
             print(f"rlf-train: resumed from {directory} at step {self.step_index}")
 
     def close(self) -> None:

@@ -130,3 +130,17 @@ def test_engine_layouts_that_do_not_fit_the_world_are_rejected(overrides, world,
 def test_engine_transport_and_mode_come_from_their_registries(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(overrides=override.split())
+
+
+def test_wandb_without_wandb_installed_is_refused_at_load(monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "wandb", None)  # `import wandb` raises ImportError
+    with pytest.raises(ConfigError, match=r"logging.wandb_project='x' needs wandb, which is not installed: "
+                                          r"\.venv/bin/pip install wandb"):
+        load_config(overrides=["logging.wandb_project=x"])
+
+
+@pytest.mark.parametrize("override", ["logging.wandb_name=n", "logging.wandb_entity=team", "logging.wandb_tags=[a]"])
+def test_wandb_settings_without_a_project_are_refused(override):
+    with pytest.raises(ConfigError, match=f"logging.wandb_{override.split('_')[1].split('=')[0]} set without "
+                                          "logging.wandb_project"):
+        load_config(overrides=[override])

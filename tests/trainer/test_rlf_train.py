@@ -16,8 +16,24 @@ from rlfactory_megatron.envs.storage import RolloutStore  # noqa: E402
 # LR warm-up over 4 steps: the SFT warm-start trains at its own LR without advancing it. tp=2:
 # two engines (one per TP rank, each writing its shard); mini-batches of 2 rows: several optimizer
 # steps per RL step, so the resumed optimizer and LR schedule are exercised within a step too.
+# wandb offline: a resumed run logs into the run the killed one started.
 RESUMED_RUN = ("trainer.total_steps=4", "actor.optim.warmup_steps=4", "actor.optim.lr=1e-6", "parallel.tp=2",
-               "actor.mini_batch_size=2")
+               "actor.mini_batch_size=2", "logging.wandb_project=rlf-tests", "logging.wandb_mode=offline")
+
+
+def wandb_runs(run_dir) -> list[str]:
+    """The wandb run id of each offline run a run directory holds (one per process that logged),
+    after checking that the last one carries the run's config (its output folder is one of its
+    values; a SIGKILLed process's file may hold only its header: wandb writes in the background)."""
+    runs = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert runs and str(run_dir).encode() in runs[-1].read_bytes(), f"{runs} hold no config"
+    return [data.stem.removeprefix("run-") for data in runs]
+
+
+def checkpoint_state(run_dir, step: int) -> dict:
+    import json
+
+    return json.loads((run_dir / "checkpoints" / f"step_{step:06d}" / "trainer_state.json").read_text())
 
 
 def test_killed_run_resumes_and_continues_exactly(tmp_path):
@@ -58,6 +74,7 @@ def test_killed_run_resumes_and_continues_exactly(tmp_path):
                 assert len(r.response_ids) == len(r.loss_mask) == len(r.logprobs) == len(r.advantages)
                 assert all(r.advantages[r.loss_mask == 0] == 0)  # nothing to learn from tool output
     assert (run / "cache" / "tool_artifacts").is_dir()
+    assert wandb_runs(run) == [checkpoint_state(run, 4)["wandb_run_id"]]
 
     kill_after_checkpoint(tmp_path, "killed", "step_000002", *RESUMED_RUN, warm_starts)
     assert f"reused from {tmp_path / 'warm-starts'}" in (tmp_path / "killed.log").read_text()
@@ -71,6 +88,8 @@ def test_killed_run_resumes_and_continues_exactly(tmp_path):
     assert [r["step"] for r in after] == [0, 1, 2, 3, 4]  # what the killed run logged past step 2 is gone
     assert_same_metrics(after, uninterrupted)
     assert stored_trajectories(tmp_path / "killed") == stored_trajectories(run)  # each trajectory once, as trained
+    killed = tmp_path / "killed"
+    assert wandb_runs(killed) == 2 * [checkpoint_state(killed, 2)["wandb_run_id"]]  # killed + resumed: one run
 
 
 def test_dapo_drops_uniform_groups_and_applies_its_settings(tmp_path):
