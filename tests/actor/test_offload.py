@@ -1,0 +1,34 @@
+"""actor.offload / critic.offload: a model's parameters, gradients and optimizer states go to host
+memory and back (on CPU, host to host: the same code), leaving nothing on the device while away,
+bit for bit the same on return, and the next update the same as without the round trip; the
+memory plan counts the parameters each rank really holds."""
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+import actor_workers  # noqa: E402
+
+from rlfactory_megatron.runtime.distributed import spawn_local_workers  # noqa: E402
+
+
+# bf16: fp32 main parameters beside the model's; tp=pp=2: split modules on two stages (the plan's
+# counts per stage); dp=2 with the distributed optimizer: its state sharded over DP ranks.
+@pytest.mark.parametrize("tp,pp,dp,dtype,distributed_optimizer", [(1, 1, 1, "bfloat16", False),
+                                                                 (2, 2, 1, "float32", False),
+                                                                 (1, 1, 2, "bfloat16", True)])
+def test_offload_round_trip_is_bit_exact_and_the_next_update_the_same(tiny_hf_dirs, tp, pp, dp, dtype,
+                                                                     distributed_optimizer):
+    results = spawn_local_workers(actor_workers.offload_worker, tp * pp * dp, tiny_hf_dirs["qwen3"], tp, pp, dtype,
+                                  distributed_optimizer)
+    for rank, out in enumerate(results):
+        for name in ("actor", "critic", "reference"):
+            result = out[name]
+            assert result["bytes"] > 0 and result["freed"], (rank, name, result)
+            if name != "reference":
+                assert result["kept_params"] and result["freed_rest"], (rank, name, result)
+            assert result["params_only"], (rank, name, result)
+            assert result["exact"] and result["next_update_same"], (rank, name, result)
+        for name, (counted, planned) in out["parameters"].items():
+            assert counted == planned, (rank, name, counted, planned)
