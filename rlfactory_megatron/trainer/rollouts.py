@@ -29,6 +29,9 @@ from rlfactory_megatron.actor.batch import RolloutBatch, dp_row_owners
 from rlfactory_megatron.trainer.data import PromptRecord
 from rlfactory_megatron.trainer.tasks import TASKS
 
+# What an engine's sleep gives up, as vLLM tags it, in the order a weight update wakes it.
+ENGINE_MEMORY = ("weights", "kv_cache")
+
 
 @dataclass(frozen=True)
 class EngineLayout:
@@ -767,8 +770,6 @@ def _done(result) -> concurrent.futures.Future:
     return future
 
 
-# What an engine's sleep gives up, as vLLM tags it, in the order a weight update wakes it.
-ENGINE_MEMORY = ("weights", "kv_cache")
 # A disaggregated engine that dies at this many weight syncs in a row ends the run.
 MAX_ENGINE_DEATHS_IN_A_ROW = 3
 # How long a live engine may take to answer the check before a sync.

@@ -8,7 +8,8 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from rlf_train_cli import assert_same_metrics, kill_after_checkpoint, records, rlf_train, stored_trajectories  # noqa: E402
+from rlf_train_cli import (assert_same_metrics, check_device_phases, kill_after_checkpoint, recording_env,  # noqa: E402
+                           records, rlf_train, stored_trajectories)
 
 from rlfactory_megatron.envs.storage import RolloutStore  # noqa: E402
 
@@ -71,6 +72,17 @@ def test_killed_run_resumes_and_continues_exactly(tmp_path):
     assert [r["step"] for r in after] == [0, 1, 2, 3, 4]  # what the killed run logged past step 2 is gone
     assert_same_metrics(after, uninterrupted)
     assert stored_trajectories(tmp_path / "killed") == stored_trajectories(run)  # each trajectory once, as trained
+
+
+def test_item2_engines_sleep_through_training_and_wake_weights_then_kv_cache(tmp_path):
+    # Issue 41 item 2, vLLM's order for a weight update (as verl does it): the engine sleeps at
+    # level 2 before every training phase (the SFT warm-start included), then after training
+    # torch.cuda.empty_cache(), the weights wake, load, and only then the KV cache wakes.
+    recorded = tmp_path / "phases.jsonl"
+    out = rlf_train(tmp_path, "run", "trainer.total_steps=2", env=recording_env(recorded))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "SFT warm-start done" in out.stdout
+    assert check_device_phases(recorded) == {2: 3}  # the warm-start and two steps, each after a level-2 sleep
 
 
 def test_dapo_drops_uniform_groups_and_applies_its_settings(tmp_path):
