@@ -134,20 +134,23 @@ def check_device_phases(path: Path, offload: bool = False) -> dict[int, int]:
     of sleeps by level."""
     events = [json.loads(line) for line in path.read_text().splitlines()]
     assert events, "nothing was recorded"
-    asleep: set[str] = set()
     phases: list[list[dict]] = []
-    for event in events:
-        kind = event["event"]
-        if kind == "sleep":
-            assert not asleep, f"a sleep while asleep: {event}"
-            asleep = {"weights", "kv_cache"}
-            phases.append([])
-        elif kind == "wake_up":
-            asleep -= set(event["tags"] or ("weights", "kv_cache"))
-        elif kind == "run":
-            assert asleep == {"weights", "kv_cache"}, f"a megatron pass with the engine awake ({asleep or 'all'} asleep)"
-        if phases:
-            phases[-1].append(event)
+    for pid in sorted({event["pid"] for event in events}):  # each rank's process: its engine, its passes
+        asleep: set[str] = set()
+        mine: list[list[dict]] = []
+        for event in (event for event in events if event["pid"] == pid):
+            kind = event["event"]
+            if kind == "sleep":
+                assert not asleep, f"a sleep while asleep: {event}"
+                asleep = {"weights", "kv_cache"}
+                mine.append([])
+            elif kind == "wake_up":
+                asleep -= set(event["tags"] or ("weights", "kv_cache"))
+            elif kind == "run":
+                assert asleep == {"weights", "kv_cache"}, f"a megatron pass with the engine awake (asleep: {sorted(asleep)})"
+            if mine:
+                mine[-1].append(event)
+        phases += mine
     levels: dict[int, int] = {}
     for phase in phases:
         names = [e["event"] for e in phase]

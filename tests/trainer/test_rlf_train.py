@@ -16,9 +16,10 @@ from rlfactory_megatron.envs.storage import RolloutStore  # noqa: E402
 
 # LR warm-up over 4 steps: the SFT warm-start trains at its own LR without advancing it. tp=2:
 # two engines (one per TP rank, each writing its shard); mini-batches of 2 rows: several optimizer
-# steps per RL step, so the resumed optimizer and LR schedule are exercised within a step too.
+# steps per RL step, so the resumed optimizer and LR schedule are exercised within a step too; a
+# KL loss: a reference model.
 RESUMED_RUN = ("trainer.total_steps=4", "actor.optim.warmup_steps=4", "actor.optim.lr=1e-6", "parallel.tp=2",
-               "actor.mini_batch_size=2")
+               "actor.mini_batch_size=2", "actor.kl_loss_coef=0.01")
 
 
 def test_killed_run_resumes_and_continues_exactly(tmp_path):
@@ -60,11 +61,17 @@ def test_killed_run_resumes_and_continues_exactly(tmp_path):
                 assert all(r.advantages[r.loss_mask == 0] == 0)  # nothing to learn from tool output
     assert (run / "cache" / "tool_artifacts").is_dir()
 
-    kill_after_checkpoint(tmp_path, "killed", "step_000002", *RESUMED_RUN, warm_starts)
+    # The killed and resumed runs keep the actor's and the reference's state in host memory while
+    # the engines generate (actor.offload): the same numbers as the full run without it.
+    kill_after_checkpoint(tmp_path, "killed", "step_000002", *RESUMED_RUN, warm_starts, "actor.offload=true")
     assert f"reused from {tmp_path / 'warm-starts'}" in (tmp_path / "killed.log").read_text()
-    resumed = rlf_train(tmp_path, "killed", *RESUMED_RUN, warm_starts)
+    recorded = tmp_path / "phases.jsonl"
+    resumed = rlf_train(tmp_path, "killed", *RESUMED_RUN, warm_starts, "actor.offload=true", env=recording_env(recorded))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "step_000002 at step 2" in resumed.stdout
+    # resume and 2 steps, each after a level-2 sleep; the checkpoint of step 4 after a level-1 sleep (with both
+    # engines of tp=2, each recorded)
+    assert check_device_phases(recorded, offload=True) == {2: 2 * 3, 1: 2}
     assert "SFT warm-start done" not in resumed.stdout  # warm-start belongs to a fresh run only
     with RolloutStore(tmp_path / "killed" / "cache" / "rollouts", readonly=True) as store:
         assert store.steps() == [1, 2, 3, 4] and all(len(store.read_step(s)) == 4 for s in (1, 2, 3, 4))
