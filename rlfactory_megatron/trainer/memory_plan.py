@@ -259,9 +259,9 @@ def _engine(cfg, arch, weights: float, element: int, device_bytes: float | None)
             f"= {max(kv, 0) / per_token / length:,.0f} sequences of {length}")
     if kv < per_token * length:
         return text, (f"rollout.gpu_memory_utilization={utilization:g} gives each engine {_gib(share)} GiB per device, "
-                      f"which holds its weights ({_gib(weights)} GiB) but not the KV cache of one {length}-token "
-                      f"sequence (rollout.max_prompt_tokens + rollout.max_response_tokens: "
-                      f"{_gib(per_token * length)} GiB); raise rollout.gpu_memory_utilization or rollout.tp")
+                      f"less than its weights ({_gib(weights)} GiB) and the KV cache of one {length}-token sequence "
+                      f"(rollout.max_prompt_tokens + rollout.max_response_tokens: {_gib(per_token * length)} GiB), "
+                      "without which vLLM does not start; raise rollout.gpu_memory_utilization or rollout.tp")
     return text, None
 
 
