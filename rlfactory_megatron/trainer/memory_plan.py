@@ -146,20 +146,23 @@ def _stage_plan(cfg, arch, world: int, stage: int, device_bytes: float | None, s
     dtype = cfg.model.params_dtype
     colocated = cfg.rollout.mode == "colocated"
     params = arch.parameter_count(tp, pp, stage)
-    actor = _model_state("actor", cfg.actor, params, element, dtype, dp, colocated)
-    critic = (_model_state("critic", cfg.critic, arch.parameter_count(tp, pp, stage, value_head=True), element, dtype,
-                           dp, colocated) if trains_critic(cfg) else [])
-    reference = ([Term(f"reference weights ({dtype})", params * element,
-                       ("actor.kl_loss_coef=0", LAYOUT_KEYS, *_offload_key("actor", cfg.actor, colocated)))]
+    actor = _model_state("actor", cfg.actor.optim, params, element, dtype, dp)
+    critic = (_model_state("critic", cfg.critic.optim, arch.parameter_count(tp, pp, stage, value_head=True), element,
+                           dtype, dp) if trains_critic(cfg) else [])
+    reference = ([Term(f"reference weights ({dtype})", params * element, ("actor.kl_loss_coef=0", LAYOUT_KEYS))]
                  if cfg.actor.kl_loss_coef > 0 else [])
     runtime = Term("CUDA/NCCL runtime (allowance)", RUNTIME_ALLOWANCE)
-    training = [*_for_training(actor), *_for_training(reference), *_for_training(critic),
-                _activations(cfg, arch, stage, element), runtime]
-    # On the device while the engines generate: what no offload key sends to host memory.
-    resident = ([] if cfg.actor.offload else [*actor, *reference]) + ([] if cfg.critic.offload else critic)
+    training = [*actor, *reference, *critic, _activations(cfg, arch, stage, element), runtime]
+    # On the device while the engines generate: what no offload key sends to host memory (that
+    # key then lowers it).
+    resident = []
+    if not cfg.actor.offload:
+        resident += _lowered_by([*actor, *reference], ("actor.offload=true",) if colocated else ())
+    if not cfg.critic.offload:
+        resident += _lowered_by(critic, ("critic.offload=true",) if colocated else ())
     engine_params = arch.parameter_count()
     engine_weights = engine_params * element / cfg.rollout.tp
-    sync = ([_for_training(actor)[0]] if cfg.actor.offload else []) + resident  # the actor's parameters are read
+    sync = (actor[:1] if cfg.actor.offload else []) + resident  # the sync reads the actor's parameters
     if colocated:
         sync.insert(0, Term(f"engine weights ({dtype}, 1/{cfg.rollout.tp} each)", engine_weights, ("a larger rollout.tp",)))
     bucket = min(cfg.weight_sync.bucket_mb * (1 << 20), engine_params * element)  # no bigger than the model
@@ -175,30 +178,22 @@ def _stage_plan(cfg, arch, world: int, stage: int, device_bytes: float | None, s
 LAYOUT_KEYS = "a larger parallel.tp or parallel.pp"
 
 
-def _offload_key(who: str, section, colocated: bool) -> tuple[str, ...]:
-    """The key that takes this model's state off the device while the engines generate, if unset."""
-    return (f"{who}.offload=true",) if colocated and not section.offload else ()
-
-
-def _model_state(who: str, section, params: int, element: int, dtype: str, dp: int, colocated: bool) -> list[Term]:
-    """Weights, fp32 gradients and optimizer states of a trained model on one device; the
-    settings listed lower them while the engines generate (offload) or always (the layout)."""
-    offload = _offload_key(who, section, colocated)
+def _model_state(who: str, optim, params: int, element: int, dtype: str, dp: int) -> list[Term]:
+    """Weights, fp32 gradients and optimizer states of a trained model on one device."""
     # fp32 main parameters when the weights are 16-bit, and Adam's two moments; the distributed
     # optimizer shards them over the DP ranks (gradients and weights stay whole).
     per_param = (4 if element < 4 else 0) + 8
-    sharded = section.optim.use_distributed_optimizer and dp > 1
+    sharded = optim.use_distributed_optimizer and dp > 1
     distribute = (f"{who}.optim.use_distributed_optimizer=true",) if dp > 1 and not sharded else ()
     what = ("fp32 main params + Adam moments" if element < 4 else "Adam moments") + (f", 1/{dp} each" if sharded else "")
-    return [Term(f"{who} weights ({dtype})", params * element, (*offload, LAYOUT_KEYS)),
-            Term(f"{who} gradients (fp32)", params * 4, (*offload, LAYOUT_KEYS)),
-            Term(f"{who} optimizer ({what})", params * per_param / (dp if sharded else 1),
-                 (*offload, *distribute, LAYOUT_KEYS))]
+    return [Term(f"{who} weights ({dtype})", params * element, (LAYOUT_KEYS,)),
+            Term(f"{who} gradients (fp32)", params * 4, (LAYOUT_KEYS,)),
+            Term(f"{who} optimizer ({what})", params * per_param / (dp if sharded else 1), (*distribute, LAYOUT_KEYS))]
 
 
-def _for_training(terms: list[Term]) -> list[Term]:
-    """The same terms while the models train: offload does not lower them there."""
-    return [Term(t.name, t.bytes, tuple(k for k in t.lowered_by if not k.endswith(".offload=true"))) for t in terms]
+def _lowered_by(terms: list[Term], keys: tuple[str, ...]) -> list[Term]:
+    """`terms`, each also lowered by `keys` (first)."""
+    return [Term(term.name, term.bytes, (*keys, *term.lowered_by)) for term in terms]
 
 
 def _activations(cfg, arch, stage: int, element: int) -> Term:

@@ -137,6 +137,7 @@ def test_each_example_fits_the_gpu_it_names_by_rlf_train_plan(tmp_path):
     assert "reference weights (bfloat16)" in runs[0][0].stdout
 
 
+@pytest.mark.serial  # a bound on wall time: run alone (scripts/test.sh)
 def test_a_layout_over_its_gpu_is_refused_at_load_naming_its_biggest_terms_and_their_keys(tmp_path):
     # The PPO example with its actor and critic resident while the engines generate (as the
     # example stood before offload): 84 GiB of a 79 GiB device.
