@@ -199,10 +199,11 @@ def _lowered_by(terms: list[Term], keys: tuple[str, ...]) -> list[Term]:
 def _activations(cfg, arch, stage: int, element: int) -> Term:
     """What the actor's backward pass keeps at the token budget (docs/memory.md): per token and
     layer, the two RMSNorms' inputs and outputs, q, k and v after RoPE (and before the q/k
-    norms), the attention output and flash attention's fp32 softmax statistics, and the SwiGLU's
-    input and output; times the layers whose micro-batches wait for their backward pass on this
-    stage; with recompute only each layer's input plus one layer recomputed; on the last stage,
-    the log-prob's logits."""
+    norms), the attention output and flash attention's fp32 softmax statistics, and what
+    megatron's unfused SwiGLU keeps (the builder turns fusions off): its input, silu(gate), the
+    linear half plus its offset, and their product; times the layers whose micro-batches wait for
+    their backward pass on this stage; with recompute only each layer's input plus one layer
+    recomputed; on the last stage, the log-prob's buffers."""
     from rlfactory_megatron.kernels.logprob.fused import default_chunk_size
 
     tp, pp, vpp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp or 1
@@ -211,7 +212,7 @@ def _activations(cfg, arch, stage: int, element: int) -> Term:
     h, hd = arch.hidden_size, arch.head_dim
     heads, kv = arch.num_heads // tp, arch.num_kv_heads // tp
     layer = (element * (4 * h / sp + (2 * heads + 2 * kv) * hd + ((heads + kv) * hd if arch.features.qk_norm else 0)
-                        + 3 * arch.ffn_hidden_size / tp)
+                        + 5 * arch.ffn_hidden_size / tp)
              + 4 * heads)
     # Micro-batches a stage holds before its first backward pass: megatron's 1F1B warm-up (and
     # the interleaved schedule's, in chunks of num_layers / (pp * vpp) layers) plus one.

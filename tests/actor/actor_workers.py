@@ -298,3 +298,40 @@ def offload_worker(hf_dir: str, tp: int, pp: int, dtype: str, distributed_optimi
         return out
     finally:
         destroy_distributed()
+
+
+def saved_activations_worker(hf_dir: str, tokens: int) -> dict:
+    """Bytes the actor's update keeps for its backward pass (every tensor autograd saves, the
+    parameters aside) on one micro-batch of exactly `tokens` tokens, against the memory plan's
+    activation term (its per-layer count; the log-prob's transient buffers aside)."""
+    from rlfactory_megatron.kernels.logprob.fused import default_chunk_size
+    from rlfactory_megatron.trainer.memory_plan import _activations
+
+    init_distributed(ParallelSizes(1, 1), seed=7)
+    try:
+        cfg = load_config(overrides=[f"actor.max_tokens_per_microbatch={tokens}", "actor.mini_batch_size=2",
+                                     "actor.kl_loss_coef=0"])
+        arch = load_arch(hf_dir)
+        actor = Actor(cfg.actor, arch, hf_dir, BuildOptions(), total_steps=4)
+        gen = torch.Generator().manual_seed(0)
+        mask = torch.ones(2, tokens // 2)
+        mask[:, :4] = 0
+        batch = RolloutBatch(torch.randint(0, arch.vocab_size, (2, tokens // 2), generator=gen),
+                             torch.full((2,), tokens // 2), mask, advantages=torch.randn(2, tokens // 2, generator=gen))
+        batch = batch.with_fields(old_log_probs=actor.compute_log_probs(batch)["log_probs"])
+        params = {p.untyped_storage().data_ptr() for module in actor.engine.modules() for p in module.parameters()}
+        saved: dict[int, int] = {}
+
+        def pack(tensor):
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in params:
+                saved[storage.data_ptr()] = max(saved.get(storage.data_ptr(), 0), storage.nbytes())
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            actor.update(batch)
+        vocab = arch.padded_vocab_size(1)
+        buffers = 2 * min(default_chunk_size(vocab), tokens) * vocab * 4  # transient, not saved
+        return {"saved": sum(saved.values()), "planned": _activations(cfg, arch, 0, 4).bytes - buffers}
+    finally:
+        destroy_distributed()
