@@ -165,7 +165,7 @@ def check_device_phases(path: Path, offload: bool = False) -> dict[int, int]:
         assert level == 2, phase[0]
         assert [phase[i]["tags"] for i in wakes] == [["weights"], ["kv_cache"]], names
         weights, kv_cache = wakes
-        last_pass = max(i for i, name in enumerate(names) if name == "run")
+        last_pass = max((i for i, name in enumerate(names) if name == "run"), default=0)  # a resume loads, no pass
         assert last_pass < weights and "empty_cache" in names[last_pass:weights], names
         assert names[weights + 1:kv_cache].count("load") == 1 and "loaded" in names[weights + 1:kv_cache], names
         assert "load" not in names[:weights] and "loaded" not in names[kv_cache:], names
