@@ -221,14 +221,17 @@ def dp_local_update_worker(hf_dir: str, mini_batch_size: int) -> dict:
         destroy_distributed()
 
 
-def offload_worker(hf_dir: str, tp: int, pp: int, dtype: str, distributed_optimizer: bool) -> dict:
-    """Twin actors, critics and references from the same start: one of each goes to host memory
-    and back between two updates, the other stays. Returns, per model, whether the offload
-    emptied every device storage, whether everything came back bit for bit, and whether the next
-    update matched the twin's; and the parameters on this rank against the memory plan's count."""
+def offload_worker(hf_dir: str, tp: int, pp: int, dtype: str, distributed_optimizer: bool,
+                   round_trips: tuple[str, ...]) -> dict:
+    """Twins of each model in `round_trips` (actor, critic, reference) from the same start: one
+    goes to host memory and back between two updates, the other stays. Returns, per model,
+    whether the offload emptied every device storage, whether everything came back bit for bit,
+    and whether the next update matched the twin's; and the actor's and the critic's parameters
+    on this rank against the memory plan's count."""
+    from megatron.core import parallel_state
+
     from rlfactory_megatron.actor.actor import PolicyModel
     from rlfactory_megatron.actor.offload import megatron_state
-    from megatron.core import parallel_state
 
     init_distributed(ParallelSizes(tp, pp), seed=7)
     try:
@@ -239,62 +242,55 @@ def offload_worker(hf_dir: str, tp: int, pp: int, dtype: str, distributed_optimi
         batch = make_batch(arch.vocab_size)
         returns = torch.randn(batch.input_ids.shape, generator=torch.Generator().manual_seed(3))
 
-        def snapshot(engine, kinds=("params", "optimizer")) -> list[torch.Tensor]:
-            state = megatron_state(engine.chunks, engine.optimizer)
-            return [t.detach().clone() for kind in kinds for t in state.get(kind, ())]
+        def build_model(name):
+            if name == "actor":
+                return Actor(cfg.actor, arch, hf_dir, build, total_steps=10)
+            if name == "critic":
+                torch.manual_seed(0)  # the value head starts random: twins alike
+                return Critic(cfg.critic, cfg.actor, arch, hf_dir, build, total_steps=10)
+            return PolicyModel(arch, hf_dir, build, 64)
 
-        def stored_bytes(engine, kinds) -> int:
-            return engine.host.resident_bytes(kinds)
+        def forward(name, model) -> torch.Tensor:
+            return model.compute_values(batch) if name == "critic" else model.compute_log_probs(batch)["log_probs"]
+
+        def train(name, model) -> torch.Tensor:
+            if name == "actor":
+                old = forward(name, model)
+                model.update(batch.with_fields(old_log_probs=old - 0.05, ref_log_probs=old + 0.1))
+            elif name == "critic":
+                model.update(batch.with_fields(values=forward(name, model), returns=returns))
+            return forward(name, model)
+
+        def snapshot(engine) -> list[torch.Tensor]:
+            state = megatron_state(engine.chunks, engine.optimizer)
+            return [t.detach().clone() for kind in ("params", "optimizer") for t in state.get(kind, ())]
 
         def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
             return len(a) == len(b) and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b))
 
-        def critic():
-            torch.manual_seed(0)  # the value head starts random: the twins alike
-            return Critic(cfg.critic, cfg.actor, arch, hf_dir, build, total_steps=10)
-
-        models = {
-            "actor": [Actor(cfg.actor, arch, hf_dir, build, total_steps=10) for _ in range(2)],
-            "critic": [critic() for _ in range(2)],
-            "reference": [PolicyModel(arch, hf_dir, build, 64) for _ in range(2)],
-        }
-
-        def train(name, model):
-            if name == "actor":
-                old = model.compute_log_probs(batch)["log_probs"]
-                model.update(batch.with_fields(old_log_probs=old - 0.05, ref_log_probs=old + 0.1))
-            elif name == "critic":
-                model.update(batch.with_fields(values=model.compute_values(batch), returns=returns))
-            return model.compute_log_probs(batch)["log_probs"] if name != "critic" else model.compute_values(batch)
-
-        out = {"optimizer": type(models["actor"][0].engine.optimizer).__name__}
-        for name, (moved, kept) in models.items():
+        out = {}
+        for name in round_trips:
+            moved, kept = build_model(name), build_model(name)
             for model in (moved, kept):
                 train(name, model)  # Adam's moments exist from here on
-            engine = moved.engine
-            before = snapshot(engine)
-            every = ("params", "grads", "optimizer")
-            result = {"bytes": stored_bytes(engine, every)}
+            engine, before = moved.engine, snapshot(moved.engine)
+            result = {"bytes": engine.host.resident_bytes()}
             engine.offload(keep_params=True)
-            result["kept_params"] = stored_bytes(engine, ("params",)) == stored_bytes(kept.engine, ("params",))
-            result["freed_rest"] = stored_bytes(engine, ("grads", "optimizer")) == 0
-            result["freed"] = engine.offload() > 0 and stored_bytes(engine, every) == 0
-            # A forward pass brings the parameters back alone; an update the rest.
-            forward_only = train("reference", moved) if name == "reference" else moved.compute_log_probs(batch) if (
-                name == "actor") else moved.compute_values(batch)
-            result["params_only"] = stored_bytes(engine, ("params",)) > 0 and (
+            result["kept_params"] = engine.host.resident_bytes(("params",)) == kept.engine.host.resident_bytes(("params",))
+            result["freed_rest"] = engine.host.resident_bytes(("grads", "optimizer")) == 0
+            result["freed"] = engine.offload() > 0 and engine.host.resident_bytes() == 0
+            forward(name, moved)  # a forward pass brings the parameters back alone; an update the rest
+            result["params_only"] = engine.host.resident_bytes(("params",)) > 0 and (
                 name == "reference" or engine.host.offloaded("optimizer"))
             engine.host.onload()
             result["exact"] = same(before, snapshot(engine))
-            result["next_update_same"] = torch.equal(train(name, moved), train(name, kept)) and same(
-                snapshot(engine), snapshot(kept.engine))
-            del forward_only
+            result["next_update_same"] = (torch.equal(train(name, moved), train(name, kept))
+                                          and same(snapshot(engine), snapshot(kept.engine)))
             out[name] = result
         stage = parallel_state.get_pipeline_model_parallel_rank()
-        counted = {name: sum(p.numel() for p in models[name][0].engine.modules()[0].parameters())
-                   if len(models[name][0].engine.modules()) == 1 else None for name in models}
-        out["parameters"] = {"actor": (counted["actor"], arch.parameter_count(tp, pp, stage)),
-                             "critic": (counted["critic"], arch.parameter_count(tp, pp, stage, value_head=True))}
+        out["parameters"] = {
+            name: (sum(p.numel() for module in build_model(name).engine.modules() for p in module.parameters()),
+                   arch.parameter_count(tp, pp, stage, value_head=name == "critic")) for name in ("actor", "critic")}
         return out
     finally:
         destroy_distributed()
