@@ -70,7 +70,7 @@ def engine_sleep_frees_memory_and_wakes(ctx):
     sampling = SamplingConfig(max_tokens=16, temperature=1.0, seed=3)
     before = engine.generate([[5, 6, 7, 8]], sampling)[0][0].token_ids
     free_awake = torch.cuda.mem_get_info()[0]
-    engine.sleep()
+    engine.sleep(level=1)  # weights kept in host memory: the engine serves the same model after waking
     free_asleep = torch.cuda.mem_get_info()[0]
     engine.wake_up()
     after = engine.generate([[5, 6, 7, 8]], sampling)[0][0].token_ids
@@ -120,6 +120,122 @@ def cuda_weight_sync_matches_actor(ctx):
             worst = max(worst, (mine.cpu() - torch.tensor(g.log_probs)).abs().max().item())
     assert worst <= 1e-3, f"engine vs actor log-probs differ by {worst}"
     return f"sync {seconds:.2f} s; engine vs actor max |diff| {worst:.1e}"
+
+
+# ---- Memory (issues 39 and 41): offload to host and back, the memory plan against a measured
+# peak, and an engine's level-2 sleep woken in vLLM's weight-update order.
+def _random_batch(vocab: int, rows: int, length: int):
+    import torch
+
+    from rlfactory_megatron.actor.batch import RolloutBatch
+
+    gen = torch.Generator().manual_seed(0)
+    mask = torch.ones(rows, length)
+    mask[:, :8] = 0  # a prompt
+    return RolloutBatch(torch.randint(0, vocab, (rows, length), generator=gen), torch.full((rows,), length), mask,
+                        advantages=torch.randn(rows, length, generator=gen))
+
+
+def _trained_actor(hf_dir: str, max_tokens: int, rows: int, length: int, dtype: str = "bfloat16", **build):
+    """An actor after one update (Adam's moments exist) on rows x length random tokens."""
+    from rlfactory_megatron.actor.actor import Actor
+    from rlfactory_megatron.config import load_config
+    from rlfactory_megatron.models.builder import BuildOptions
+    from rlfactory_megatron.models.hf_arch import load_arch
+
+    cfg = load_config(overrides=["actor.optim.lr=1e-4", f"actor.max_tokens_per_microbatch={max_tokens}",
+                                 f"actor.mini_batch_size={rows}"])
+    arch = load_arch(hf_dir)
+    actor = Actor(cfg.actor, arch, hf_dir, BuildOptions(params_dtype=dtype, **build), total_steps=4)
+    batch = _random_batch(arch.vocab_size, rows, length)
+    actor.update(batch.with_fields(old_log_probs=actor.compute_log_probs(batch)["log_probs"]))
+    return cfg, arch, actor, batch
+
+
+@check
+def offload_round_trip_frees_the_device_and_is_bit_exact(ctx):
+    import torch
+
+    from rlfactory_megatron.actor.offload import megatron_state
+
+    _, _, actor, _ = _trained_actor(ctx.hf_dir, 256, 4, 48)
+    engine = actor.engine
+    state = megatron_state(engine.chunks, engine.optimizer)
+    before = [t.detach().clone() for kind in ("params", "optimizer") for t in state[kind]]
+    allocated = torch.cuda.memory_allocated()
+    start = time.perf_counter()
+    freed = engine.offload()
+    out_s = time.perf_counter() - start
+    dropped = allocated - torch.cuda.memory_allocated()
+    assert freed > 0 and dropped >= freed, f"offload freed {dropped} of {freed} bytes on the device"
+    start = time.perf_counter()
+    engine.host.onload()
+    in_s = time.perf_counter() - start
+    state = megatron_state(engine.chunks, engine.optimizer)
+    after = [t.detach() for kind in ("params", "optimizer") for t in state[kind]]
+    assert all(torch.equal(a, b) for a, b in zip(before, after)), "the state changed on its way to host and back"
+    return f"{freed / 2**20:.1f} MiB to host in {out_s:.3f} s and back in {in_s:.3f} s, bit-exact"
+
+
+@check
+def memory_plan_bounds_the_measured_training_peak(ctx):
+    """A 0.3B-parameter Qwen2 shape, one micro-batch at the token budget: the plan's training terms
+    (weights, gradients, optimizer, activations; not the runtime allowance) against
+    torch.cuda.max_memory_allocated, with and without recompute."""
+    import torch
+
+    from rlfactory_megatron.models.tiny import make_tiny_hf_model
+    from rlfactory_megatron.trainer.memory_plan import memory_plan
+
+    hf_dir = str(make_tiny_hf_model("qwen2", os.path.join(os.path.dirname(ctx.hf_dir), "qwen2-mid"), hidden_size=1024,
+                                    intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+                                    num_key_value_heads=4, head_dim=64, vocab_size=32000, max_position_embeddings=8192))
+    reports = []
+    for recompute in (False, True):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        cfg, arch, actor, _ = _trained_actor(hf_dir, 8192, 2, 4096, recompute_activations=recompute)
+        measured = torch.cuda.max_memory_allocated() - base
+        cfg.model.params_dtype, cfg.model.recompute_activations = "bfloat16", recompute
+        plan = memory_plan(cfg, arch, 1)
+        planned = sum(t.bytes for t in plan.terms("training") if not t.name.startswith("CUDA"))
+        reports.append(f"recompute={recompute}: measured {measured / 2**30:.2f} GiB, planned {planned / 2**30:.2f} GiB "
+                       f"({measured / planned:.2f}x)")
+        del actor
+        assert measured <= 1.1 * planned, "the plan underestimates: " + reports[-1]
+    return "; ".join(reports)
+
+
+@check
+def engine_level2_sleep_wakes_weights_then_kv_cache_and_serves_the_synced_weights(ctx):
+    import torch
+
+    from rlfactory_megatron.actor.batch import RolloutBatch
+    from rlfactory_megatron.rollout.engines import SamplingConfig
+    from rlfactory_megatron.rollout.weight_sync import InProcessTransport, sync_weights
+
+    # fp32 (bf16 log-probs drift by tenths of a nat); megatron's local spec: TE refuses fp32 THD batches.
+    _, _, actor, _ = _trained_actor(ctx.hf_dir, 256, 4, 48, dtype="float32", layer_spec="local_sdpa")
+    engine = ctx.engine()
+    free_awake = torch.cuda.mem_get_info()[0]
+    engine.sleep(2)
+    torch.cuda.empty_cache()
+    freed = (torch.cuda.mem_get_info()[0] - free_awake) / 2**30
+    engine.wake_up(["weights"])
+    sync_weights(actor.engine, InProcessTransport(engine), 64, version=1)
+    engine.wake_up(["kv_cache"])
+    prompts = [[5, 17, 42, 7], [100, 3, 9, 250]]
+    worst = 0.0
+    for p, gens in zip(prompts, engine.generate(prompts, SamplingConfig(n=2, max_tokens=12, seed=2))):
+        for g in gens:
+            row = RolloutBatch(torch.tensor([p + g.token_ids]), torch.tensor([len(p) + len(g.token_ids)]),
+                               torch.tensor([[0.0] * len(p) + [1.0] * len(g.token_ids)]))
+            mine = actor.compute_log_probs(row)["log_probs"][0, len(p):]
+            worst = max(worst, (mine.cpu() - torch.tensor(g.log_probs)).abs().max().item())
+    assert freed > 0.1, f"a level-2 sleep freed only {freed:.2f} GiB"
+    assert worst <= 1e-3, f"after a level-2 sleep and a sync, engine vs actor log-probs differ by {worst}"
+    return f"level-2 sleep freed {freed:.2f} GiB; woken and synced, engine vs actor max |diff| {worst:.1e}"
 
 
 class Context:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from rlfactory_megatron.actor.batch import MicroBatchPlan, PackedMicroBatch
+from rlfactory_megatron.actor.offload import KINDS, HostOffload, megatron_state
 from rlfactory_megatron.models.builder import BuildOptions, build_model_chunks, resolve_layer_spec
 from rlfactory_megatron.models.conversion import iter_hf_tensors, load_hf_weights
 from rlfactory_megatron.models.hf_arch import ModelArch
@@ -43,6 +44,9 @@ class MegatronEngine:
         if hf_dir is not None:
             load_hf_weights(chunks, arch, hf_dir)
         self.optimizer = self.scheduler = None
+        # Offloaded state comes back at the first use that needs it (run, train_step, modules,
+        # sharded_state_dict), so no path can read a tensor that is away.
+        self.host = HostOffload(lambda: megatron_state(self.chunks, self.optimizer))
         self._fixed_lr: float | None = None
         self.skipped_in_a_row = 0  # optimizer steps skipped for a non-finite loss or gradient, since the last one taken
         if not self.trainable:
@@ -68,6 +72,7 @@ class MegatronEngine:
     # ------------------------------------------------------------------ running micro-batches
     def run(self, plan: MicroBatchPlan, loss_fn: MicroLossFn, forward_only: bool) -> list[dict[str, Any]]:
         """All micro-batches of `plan` through the pipeline; returns metrics (last stage only)."""
+        self.host.onload(("params",) if forward_only else KINDS)
         device = compute_device()
         batches = [mb.to(device).as_model_batch(thd=self.thd_attention) for mb in plan.micro_batches]
 
@@ -84,6 +89,7 @@ class MegatronEngine:
         if not self.trainable:
             raise RuntimeError("train_step on a frozen model (built without an optimizer config)")
         start = time.perf_counter()
+        self.host.onload()
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -162,14 +168,21 @@ class MegatronEngine:
             self.scheduler.step(increment=0)  # puts the schedule's LR back on the param groups
 
     # ------------------------------------------------------------------ weights and checkpoints
+    def offload(self, keep_params: bool = False) -> int:
+        """This model's state to host memory (actor/offload.py); `keep_params`: all but the
+        parameters (a weight sync still reads them). Returns the bytes freed on the device."""
+        return self.host.offload(("grads", "optimizer") if keep_params else KINDS)
+
     def modules(self) -> list[torch.nn.Module]:
-        """The bare GPTModel chunks (DDP unwrapped)."""
+        """The bare GPTModel chunks (DDP unwrapped), their state on the device."""
+        self.host.onload(("params",))
         return [getattr(chunk, "module", chunk) for chunk in self.chunks]
 
     def iter_hf_weights(self, dtype: torch.dtype | None = None):
         return iter_hf_tensors(self.modules(), self.arch, dtype=dtype)
 
     def sharded_state_dict(self, is_loading: bool = False) -> dict[str, Any]:
+        self.host.onload()
         modules = self.modules()
         model_sd = ({"model": modules[0].sharded_state_dict()} if len(modules) == 1 else
                     {f"model{i}": m.sharded_state_dict() for i, m in enumerate(modules)})

@@ -64,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlf-train", description=__doc__)
     parser.add_argument("--config", help="YAML file merged over the built-in default")
     parser.add_argument("--print-config", action="store_true", help="print the merged config and exit")
+    parser.add_argument("--plan", action="store_true",
+                        help="print the memory each device needs, term by term, and exit (2 if it does not fit)")
+    parser.add_argument("--world-size", type=int, help="with --plan: the ranks to plan for (default: this job's)")
     parser.add_argument("--verbose", action="store_true",
                         help="show the libraries' console output (else it goes to <output_dir>/logs/; also RLF_VERBOSE=1)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.optim.lr=1e-6 parallel.tp=2")
@@ -74,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     from rlfactory_megatron.runtime.console import verbose_requested
     from rlfactory_megatron.runtime.launch_env import detect_launch_env
     from rlfactory_megatron.runtime.threads import choose_threads
+    from rlfactory_megatron.trainer.memory_plan import device_memory, memory_plan
     from rlfactory_megatron.trainer.presets import apply_preset
 
     try:
@@ -98,7 +102,18 @@ def main(argv: list[str] | None = None) -> int:
         hf_dir = resolve_model_path(cfg.model.path)
         arch = load_arch(hf_dir)
         world = launch.world_size if launch.launcher != "single" else cfg.parallel.tp * cfg.parallel.pp
+        if args.world_size is not None:
+            if not args.plan or args.world_size < 1:
+                raise ConfigError(f"--world-size {args.world_size}: give --plan a job size >= 1 to plan for")
+            world = args.world_size
         validate_against_model(cfg, arch, world)
+        plan = memory_plan(cfg, arch, world, device_memory())
+        if args.plan:
+            if launch.rank == 0:
+                print(plan.render())
+            plan.check()
+            return 0
+        plan.check()
         output = Path(cfg.trainer.output_dir)
         output.mkdir(parents=True, exist_ok=True)
         # The run's full config: every rank trains on this text (under a launcher each rank made
@@ -109,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             (output / "config.yaml").write_text(config_yaml)
             print(f"rlf-train: {cfg.trainer.algorithm} on {arch.model_type} ({arch.num_layers} layers) from {hf_dir}; "
                   f"tp={cfg.parallel.tp} pp={cfg.parallel.pp} on {world} rank(s); outputs in {output.resolve()}")
+            print(plan.summary())
             if not verbose:
                 print(f"rlf-train: library output goes to {output / 'logs'} (--verbose shows it here)")
         results = run_as_job(_train_rank, cfg.parallel.tp * cfg.parallel.pp, config_yaml, str(hf_dir), verbose)

@@ -150,6 +150,7 @@ def validate_static(cfg) -> None:
         raise ConfigError(f"parallel.vpp={cfg.parallel.vpp} needs parallel.pp >= 2 (or set parallel.vpp=null)")
     _check_rewards_and_tools(cfg)
     _check_wandb(cfg.logging)
+    _check_memory_keys(cfg)
 
 
 def _check_wandb(logging) -> None:
@@ -165,6 +166,22 @@ def _check_wandb(logging) -> None:
     except ImportError:
         raise ConfigError(f"logging.wandb_project='{logging.wandb_project}' needs wandb, which is not installed: "
                           ".venv/bin/pip install wandb (or ./install.sh), or drop logging.wandb_project") from None
+
+
+def _check_memory_keys(cfg) -> None:
+    """Offload frees the device for colocated engines only, and only the state of a model the run has."""
+    from rlfactory_megatron.trainer.presets import trains_critic
+
+    gib = cfg.parallel.device_memory_gib
+    if gib is not None and not gib > 0:
+        raise ConfigError(f"parallel.device_memory_gib={gib} must be > 0 (one GPU's memory in GiB, e.g. 79), or null")
+    for section in ("actor", "critic"):
+        if cfg[section].offload and cfg.rollout.mode != "colocated":
+            raise ConfigError(f"{section}.offload=true makes room for colocated engines, and rollout.mode="
+                              f"{cfg.rollout.mode} engines have devices of their own; set {section}.offload=false")
+    if cfg.critic.offload and not trains_critic(cfg):
+        raise ConfigError(f"critic.offload=true, and trainer.algorithm={cfg.trainer.algorithm} trains no critic "
+                          "(critic.enable=false); set critic.offload=false")
 
 
 def _check_ranges(cfg) -> None:

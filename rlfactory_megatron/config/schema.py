@@ -19,6 +19,10 @@ class ParallelConfig:
     pp: int = 1  # pipeline stages (divides the layers with vpp); dp = world / (tp * pp)
     vpp: Optional[int] = None  # virtual pipeline stages per rank (interleaved schedule; needs pp >= 2)
     sequence_parallel: bool = False  # megatron sequence parallelism within the TP group (tp >= 2)
+    # Memory of one training GPU in GiB, which the memory plan (rlf-train --plan, and every run's
+    # start-up) must fit: on a GPU, the device's own or this if smaller; on a machine without one,
+    # the GPU to plan for (null there: the plan is shown, not checked).
+    device_memory_gib: Optional[float] = None
 
 
 @dataclass
@@ -63,6 +67,10 @@ class ActorConfig:
     kl_penalty: str = "low-var-kl"  # k1 | k2 | k3 | low-var-kl
     use_fused_logprob: bool = True  # log-probs/entropy from hidden states by the fused vocab-parallel kernel (no full logits)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    # Colocated engines: the actor's parameters, gradients and optimizer states, and the frozen
+    # reference's parameters, wait in host memory while the engines generate (back on the device
+    # when training needs them; the parameters after the weight sync)
+    offload: bool = False
 
 
 @dataclass
@@ -71,6 +79,7 @@ class CriticConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     ppo_epochs: int = 1  # passes of the value update over each step's trajectories
     cliprange_value: float = 0.5  # clip of the new value around the old one in the value loss
+    offload: bool = False  # colocated engines: the critic's parameters, gradients and optimizer states wait in host memory while they generate
 
 
 @dataclass

@@ -55,6 +55,36 @@ class ModelArch:
         multiple = divisible_by * tp
         return int(math.ceil(self.vocab_size / multiple) * multiple)
 
+    def parameter_count(self, tp: int = 1, pp: int = 1, stage: int = 0, value_head: bool = False) -> int:
+        """Parameters of the megatron model on one rank of pipeline stage `stage` (at tp=pp=1:
+        the whole model, e.g. 7,615,616,512 for Qwen2-7B). The first stage holds the embedding,
+        the last the final norm and the LM head (a tied head is a copy of its own there when
+        pp > 1) or, for a critic, the [hidden -> 1] value head; TP splits every projection and
+        the vocab, norms are replicated."""
+        h, hd = self.hidden_size, self.head_dim
+        qkv = (self.num_heads + 2 * self.num_kv_heads) * hd
+        layer = (2 * h  # the attention's and the MLP's RMSNorm
+                 + (qkv * h + (qkv if self.features.qkv_bias else 0)) // tp
+                 + (2 * hd if self.features.qk_norm else 0)  # q/k RMSNorm over head_dim, replicated
+                 + self.num_heads * hd * h // tp  # output projection
+                 + 3 * self.ffn_hidden_size * h // tp)  # SwiGLU: gate, up, down
+        count = self.num_layers // pp * layer
+        vocab = self.padded_vocab_size(tp) // tp * h
+        if stage == 0:
+            count += vocab
+        if stage == pp - 1:
+            count += h  # final norm
+            if value_head:
+                count += h
+            elif not self.tie_word_embeddings or pp > 1:
+                count += vocab
+        return count
+
+    def kv_cache_bytes_per_token(self, element_size: int, tp: int = 1) -> int:
+        """Keys and values of one token in every layer, on one of `tp` devices (KV heads are
+        replicated when tp exceeds them)."""
+        return 2 * self.num_layers * max(1, self.num_kv_heads // tp) * self.head_dim * element_size
+
 
 class UnsupportedCheckpointError(ValueError):
     """The HF checkpoint is of an architecture or shape this project cannot convert."""

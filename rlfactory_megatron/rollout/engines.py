@@ -55,9 +55,13 @@ class RolloutEngine(Protocol):
 
     def weight_names(self) -> dict[str, tuple[int, ...]]: ...
 
-    def sleep(self) -> None: ...
+    def sleep(self, level: int = 2) -> None:
+        """Give the device memory to training: level 2 drops weights and KV cache, level 1 keeps the weights in host memory."""
+        ...
 
-    def wake_up(self) -> None: ...
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take back the memory `tags` name ("weights", "kv_cache"; None: all)."""
+        ...
 
 
 ROLLOUT_ENGINES: Registry[Callable[..., RolloutEngine]] = Registry("rollout engine")
@@ -76,10 +80,8 @@ def _cpu_kv_cache_bytes(hf_dir: str, dtype: str, max_model_len: int, max_num_seq
 
     from rlfactory_megatron.models.hf_arch import load_arch
 
-    arch = load_arch(hf_dir)
     element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-    per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * element  # keys and values
-    needed = per_token * max_model_len * max_num_seqs
+    needed = load_arch(hf_dir).kv_cache_bytes_per_token(element) * max_model_len * max_num_seqs
     return int(min(needed, utilization * psutil.virtual_memory().total))
 
 
@@ -222,13 +224,14 @@ class VLLMEngine:
 
             destroy_model_parallel()
 
-    def sleep(self) -> None:
+    # vLLM's sleep mode runs on GPU only; on CPU these are no-ops (the callers' order is the same).
+    def sleep(self, level: int = 2) -> None:
         if torch.cuda.is_available():
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=level)
 
-    def wake_up(self) -> None:
+    def wake_up(self, tags: list[str] | None = None) -> None:
         if torch.cuda.is_available():
-            self.llm.wake_up()
+            self.llm.wake_up(tags=tags)
 
 
 def _sampling_params(sampling: SamplingConfig, seed: int | None):

@@ -53,3 +53,8 @@ def apply_preset(cfg) -> tuple[AlgorithmPreset, list[str]]:
             cfg.reward.manager_options = {"max_response_length": budget, "overlong_buffer_len": max(1, budget // 4)}
             applied.append(f"reward.manager_options={dict(cfg.reward.manager_options)}")
     return preset, applied
+
+
+def trains_critic(cfg) -> bool:
+    """Whether the run trains a value model: its algorithm needs one (ppo) or critic.enable asks for it."""
+    return ALGORITHM_PRESETS.get(cfg.trainer.algorithm).use_critic or bool(cfg.critic.enable)

@@ -19,7 +19,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -28,6 +28,9 @@ import torch.distributed as dist
 from rlfactory_megatron.actor.batch import RolloutBatch, dp_row_owners
 from rlfactory_megatron.trainer.data import PromptRecord
 from rlfactory_megatron.trainer.tasks import TASKS
+
+# What an engine's sleep gives up, as vLLM tags it, in the order a weight update wakes it.
+ENGINE_MEMORY = ("weights", "kv_cache")
 
 
 @dataclass(frozen=True)
@@ -273,7 +276,7 @@ class RolloutPlane:
         self._replaced = 0
         self.rollout_store = self.artifacts = None
         self.tool_schemas: list[dict] | None = None
-        self._asleep = False
+        self._asleep: set[str] = set()  # the engine memory (ENGINE_MEMORY tags) its sleep gave up
         # The ranks of each DP rank (all of its TP and PP ranks train on the same rows).
         from megatron.core import parallel_state
 
@@ -720,16 +723,21 @@ class RolloutPlane:
             except Exception as exc:  # noqa: BLE001 - dead, or wedged: replaced either way
                 self.router.fail(index, exc)
 
-    def sleep(self) -> None:
-        """Free the engines' device memory for training (a no-op on CPU)."""
+    def sleep(self, level: int = 2) -> None:
+        """This process's engine gives its device memory to training (vLLM's sleep mode, GPU
+        only). Level 2 drops its weights and KV cache: the weights wake first, for a weight sync
+        to fill; level 1 keeps the weights in host memory, for work no sync follows."""
         if self.engine is not None and not self._asleep:
-            self.engine.sleep()
-            self._asleep = True
+            self.engine.sleep(level)
+            self._asleep = set(ENGINE_MEMORY)
 
-    def wake_up(self) -> None:
-        if self.engine is not None and self._asleep:
-            self.engine.wake_up()
-            self._asleep = False
+    def wake_up(self, tags: Sequence[str] = ENGINE_MEMORY) -> None:
+        """Give back the engine memory `tags` name (of those asleep): after a level-2 sleep,
+        "weights", then the sync, then "kv_cache" (vLLM's order for a weight update)."""
+        waking = [tag for tag in ENGINE_MEMORY if tag in tags and tag in self._asleep]
+        if waking:
+            self.engine.wake_up(waking)
+            self._asleep -= set(waking)
 
     # ------------------------------------------------------------------ helpers
     def sample_seed(self, step: int, row: int) -> int:

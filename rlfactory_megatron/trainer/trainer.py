@@ -10,6 +10,7 @@ rollout side (engines, their placement, the split of prompts, the routing of row
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import time
@@ -29,7 +30,7 @@ from rlfactory_megatron.runtime.stop import StopRequest
 from rlfactory_megatron.trainer.data import PromptRecord, PromptSampler, load_prompts
 from rlfactory_megatron.trainer.dynamic_sampling import informative_rollouts
 from rlfactory_megatron.trainer.logger import MetricsLogger, wandb_settings
-from rlfactory_megatron.trainer.presets import apply_preset
+from rlfactory_megatron.trainer.presets import apply_preset, trains_critic
 from rlfactory_megatron.trainer.checkpoint import checkpoint_dir, load_checkpoint, resume_directory, save_checkpoint
 from rlfactory_megatron.trainer.pipeline import AHEAD_FILE, RolloutPipeline
 from rlfactory_megatron.trainer.rollouts import RolloutPlane, Rollouts
@@ -68,7 +69,13 @@ class Trainer:
                           if cfg.actor.kl_loss_coef > 0 else None)
         self.critic = (Critic(cfg.critic, cfg.actor, self.arch, hf_dir, build, total,
                               norm_length=cfg.rollout.max_response_tokens)
-                       if self.preset.use_critic or cfg.critic.enable else None)
+                       if trains_critic(cfg) else None)
+        # The models whose state waits in host memory while colocated engines generate
+        # (actor.offload: the actor and its reference; critic.offload); the engines start with it there.
+        self.offloaded = [model.engine for model, on in ((self.actor, cfg.actor.offload),
+                                                         (self.reference, cfg.actor.offload),
+                                                         (self.critic, cfg.critic.offload)) if model is not None and on]
+        self._to_host()
         self.records, self.val_records = self._load_records()
         _check_data_sources_scored(cfg.reward, self.records + self.val_records)
         if cfg.trainer.sft_steps > 0 and not any(r.demonstration for r in self.records):
@@ -221,17 +228,48 @@ class Trainer:
     def _sync_weights(self) -> float:
         """The actor's weights into every engine, once they are known to be finite; each engine
         then reports serving version `step_index`; asynchronous, the batches it allows start.
-        Returns the seconds spent waiting for batches in flight first (asynchronous, no partial rollout)."""
+        Engines asleep since training wake in vLLM's order for a weight update: the offloaded
+        state leaves the device (the actor's parameters after the sync, which reads them), the
+        allocator's cached blocks go back, the engines' weights wake, the weights load, and only
+        then the KV cache wakes. Returns the seconds spent waiting for batches in flight first
+        (asynchronous, no partial rollout)."""
         self.actor.engine.check_finite("the weight sync")
-        self.plane.wake_up()
+        self._to_host(keep_actor_params=True)
+        torch.cuda.empty_cache()  # what training cached, for vLLM to map its weights into
+        self.plane.wake_up(["weights"])
         clock = time.perf_counter()
         if self.pipeline is not None:
             self.pipeline.before_sync()
         waited = time.perf_counter() - clock
         self.plane.sync(self.actor.engine, self.step_index)
+        self._to_host()
+        torch.cuda.empty_cache()
+        self.plane.wake_up(["kv_cache"])
         if self.pipeline is not None:
             self.pipeline.after_sync(self.step_index)
         return waited
+
+    def _to_host(self, keep_actor_params: bool = False) -> None:
+        """The state the offload keys name goes to host memory (the device is about to be the
+        engines'); `keep_actor_params`: the actor's parameters stay for a weight sync."""
+        for engine in self.offloaded:
+            engine.offload(keep_params=keep_actor_params and engine is self.actor.engine)
+
+    @contextlib.contextmanager
+    def _state_on_device(self):
+        """For work that reads the whole training state outside training (a checkpoint): with
+        some of it in host memory, the engines sleep keeping their weights (level 1) while it
+        is back, and wake once it is away again."""
+        if not self.offloaded:
+            yield
+            return
+        self.plane.sleep(level=1)
+        try:
+            yield
+        finally:
+            self._to_host()
+            torch.cuda.empty_cache()
+            self.plane.wake_up()
 
     def _draw(self) -> list[PromptRecord]:
         return [self.records[i] for i in self.sampler.next(self.cfg.trainer.prompts_per_step)]
@@ -308,20 +346,23 @@ class Trainer:
                                                        self.cfg.rollout.max_prompt_tokens) if self.is_leader else None)
         cache = (WarmStartCache(self.cfg.trainer.sft_cache, warm_start_key(self.cfg, self.hf_dir, rows), self.output)
                  if self.cfg.trainer.sft_cache else None)
+        self.plane.sleep()  # as before any training; the sync below wakes the engines
         sft_warm_start(self.actor, rows, self.cfg.trainer, verbose=self.is_leader, cache=cache)
         self._sync_weights()
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
         ahead = self.pipeline.state() if self.pipeline is not None else None
-        return save_checkpoint(self.output, self.step_index, self.actor, self.critic, self.sampler,
-                               self.cfg.trainer.keep_last, files={AHEAD_FILE: ahead} if ahead is not None else None,
-                               wandb_run_id=self.logger.wandb_run_id if self.logger is not None else None)
+        with self._state_on_device():
+            return save_checkpoint(self.output, self.step_index, self.actor, self.critic, self.sampler,
+                                   self.cfg.trainer.keep_last, files={AHEAD_FILE: ahead} if ahead is not None else None,
+                                   wandb_run_id=self.logger.wandb_run_id if self.logger is not None else None)
 
     def _maybe_resume(self) -> None:
         directory = resume_directory(self.cfg.trainer.resume, self.output)
         if directory is None:
             return
+        self.plane.sleep()  # loading fills the training state; the sync below wakes the engines
         self.step_index, wandb_run_id = load_checkpoint(directory, self.actor, self.critic, self.sampler)
         if self.pipeline is not None:
             self.pipeline.restore(directory)

@@ -11,7 +11,8 @@ prompt rendering and tools are in it), the sections that shape the actor and its
 (`model`, `parallel`, `actor`), the warm-start's own settings, the seed, the RL schedule's
 length, the sampling temperature the actor's log-probs assume, the world size, the thread
 count (it changes the float sums' order) and the library versions. What only the RL phase or
-the rollout placement reads (rollout.mode, num_engines, max_staleness, logging...) is not in it.
+the rollout placement reads (rollout.mode, num_engines, max_staleness, logging...) is not in it,
+nor what changes where state lives but no number (actor.offload, parallel.device_memory_gib).
 Model files over HASHED_WHOLE_BYTES are keyed by name, size and their first and last MiB.
 """
 from __future__ import annotations
@@ -55,6 +56,9 @@ def warm_start_key(cfg, hf_dir: str, rows: list[tuple[list[int], list[int]]]) ->
     settings["trainer"] = {k: cfg.trainer[k] for k in TRAINER_KEYS}
     settings["rollout"] = {k: cfg.rollout[k] for k in ROLLOUT_KEYS}
     settings["model"].pop("path", None)  # the files below say what the model is, wherever it lies
+    # Where the state waits while engines generate, and the memory it is planned against, change no number.
+    settings["actor"].pop("offload", None)
+    settings["parallel"].pop("device_memory_gib", None)
     settings["world_size"] = dist.get_world_size()
     settings["threads"] = torch.get_num_threads()
     settings["device"] = "cuda" if torch.cuda.is_available() else "cpu"

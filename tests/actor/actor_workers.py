@@ -219,3 +219,115 @@ def dp_local_update_worker(hf_dir: str, mini_batch_size: int) -> dict:
                 "rows": mine, "old_log_probs": old["log_probs"]}
     finally:
         destroy_distributed()
+
+
+def offload_worker(hf_dir: str, tp: int, pp: int, dtype: str, distributed_optimizer: bool,
+                   round_trips: tuple[str, ...]) -> dict:
+    """Twins of each model in `round_trips` (actor, critic, reference) from the same start: one
+    goes to host memory and back between two updates, the other stays. Returns, per model,
+    whether the offload emptied every device storage, whether everything came back bit for bit,
+    and whether the next update matched the twin's; and the actor's and the critic's parameters
+    on this rank against the memory plan's count."""
+    from megatron.core import parallel_state
+
+    from rlfactory_megatron.actor.actor import PolicyModel
+    from rlfactory_megatron.actor.offload import megatron_state
+
+    init_distributed(ParallelSizes(tp, pp), seed=7)
+    try:
+        cfg = actor_config(**{"actor.optim.use_distributed_optimizer": distributed_optimizer,
+                              "critic.optim.use_distributed_optimizer": distributed_optimizer, "critic.optim.lr": 1e-4})
+        arch = load_arch(hf_dir)
+        build = BuildOptions(params_dtype=dtype)
+        batch = make_batch(arch.vocab_size)
+        returns = torch.randn(batch.input_ids.shape, generator=torch.Generator().manual_seed(3))
+
+        def build_model(name):
+            if name == "actor":
+                return Actor(cfg.actor, arch, hf_dir, build, total_steps=10)
+            if name == "critic":
+                torch.manual_seed(0)  # the value head starts random: twins alike
+                return Critic(cfg.critic, cfg.actor, arch, hf_dir, build, total_steps=10)
+            return PolicyModel(arch, hf_dir, build, 64)
+
+        def forward(name, model) -> torch.Tensor:
+            return model.compute_values(batch) if name == "critic" else model.compute_log_probs(batch)["log_probs"]
+
+        def train(name, model) -> torch.Tensor:
+            if name == "actor":
+                old = forward(name, model)
+                model.update(batch.with_fields(old_log_probs=old - 0.05, ref_log_probs=old + 0.1))
+            elif name == "critic":
+                model.update(batch.with_fields(values=forward(name, model), returns=returns))
+            return forward(name, model)
+
+        def snapshot(engine) -> list[torch.Tensor]:
+            state = megatron_state(engine.chunks, engine.optimizer)
+            return [t.detach().clone() for kind in ("params", "optimizer") for t in state.get(kind, ())]
+
+        def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+            return len(a) == len(b) and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b))
+
+        out = {}
+        for name in round_trips:
+            moved, kept = build_model(name), build_model(name)
+            for model in (moved, kept):
+                train(name, model)  # Adam's moments exist from here on
+            engine, before = moved.engine, snapshot(moved.engine)
+            result = {"bytes": engine.host.resident_bytes()}
+            engine.offload(keep_params=True)
+            result["kept_params"] = engine.host.resident_bytes(("params",)) == kept.engine.host.resident_bytes(("params",))
+            result["freed_rest"] = engine.host.resident_bytes(("grads", "optimizer")) == 0
+            result["freed"] = engine.offload() > 0 and engine.host.resident_bytes() == 0
+            forward(name, moved)  # a forward pass brings the parameters back alone; an update the rest
+            result["params_only"] = engine.host.resident_bytes(("params",)) > 0 and (
+                name == "reference" or engine.host.offloaded("optimizer"))
+            engine.host.onload()
+            result["exact"] = same(before, snapshot(engine))
+            result["next_update_same"] = (torch.equal(train(name, moved), train(name, kept))
+                                          and same(snapshot(engine), snapshot(kept.engine)))
+            out[name] = result
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+        out["parameters"] = {
+            name: (sum(p.numel() for module in build_model(name).engine.modules() for p in module.parameters()),
+                   arch.parameter_count(tp, pp, stage, value_head=name == "critic")) for name in ("actor", "critic")}
+        return out
+    finally:
+        destroy_distributed()
+
+
+def saved_activations_worker(hf_dir: str, tokens: int) -> dict:
+    """Bytes the actor's update keeps for its backward pass (every tensor autograd saves, the
+    parameters aside) on one micro-batch of exactly `tokens` tokens, against the memory plan's
+    activation term (its per-layer count; the log-prob's transient buffers aside)."""
+    from rlfactory_megatron.kernels.logprob.fused import default_chunk_size
+    from rlfactory_megatron.trainer.memory_plan import _activations
+
+    init_distributed(ParallelSizes(1, 1), seed=7)
+    try:
+        cfg = load_config(overrides=[f"actor.max_tokens_per_microbatch={tokens}", "actor.mini_batch_size=2",
+                                     "actor.kl_loss_coef=0"])
+        arch = load_arch(hf_dir)
+        actor = Actor(cfg.actor, arch, hf_dir, BuildOptions(), total_steps=4)
+        gen = torch.Generator().manual_seed(0)
+        mask = torch.ones(2, tokens // 2)
+        mask[:, :4] = 0
+        batch = RolloutBatch(torch.randint(0, arch.vocab_size, (2, tokens // 2), generator=gen),
+                             torch.full((2,), tokens // 2), mask, advantages=torch.randn(2, tokens // 2, generator=gen))
+        batch = batch.with_fields(old_log_probs=actor.compute_log_probs(batch)["log_probs"])
+        params = {p.untyped_storage().data_ptr() for module in actor.engine.modules() for p in module.parameters()}
+        saved: dict[int, int] = {}
+
+        def pack(tensor):
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in params:
+                saved[storage.data_ptr()] = max(saved.get(storage.data_ptr(), 0), storage.nbytes())
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            actor.update(batch)
+        vocab = arch.padded_vocab_size(1)
+        buffers = 2 * min(default_chunk_size(vocab), tokens) * vocab * 4  # transient, not saved
+        return {"saved": sum(saved.values()), "planned": _activations(cfg, arch, 0, 4).bytes - buffers}
+    finally:
+        destroy_distributed()

@@ -114,3 +114,65 @@ def stop_after_step(tmp_path, run: str, step: int, *overrides, signum=signal.SIG
     proc.send_signal(signum)
     status = proc.wait(timeout=timeout)
     return status, log_path.read_text(), descendants, time.monotonic() - signalled
+
+
+# tests/trainer/faults/sitecustomize.py records a run's device phases when this names a file.
+FAULTS = Path(__file__).parent / "faults"
+
+
+def recording_env(path: Path) -> dict[str, str]:
+    return {"PYTHONPATH": str(FAULTS), "RLF_TEST_RECORD_DEVICE_PHASES": str(path)}
+
+
+def check_device_phases(path: Path, offload: bool = False) -> dict[int, int]:
+    """The order a GPU's memory hand-over needs, on what a run recorded (recording_env): no
+    megatron pass while an engine is awake; each level-2 sleep (before training) followed by the
+    passes, then torch.cuda.empty_cache(), then the engine's weights waking, the weight load, and
+    only then its KV cache; with `offload`, the state offloaded before the weights wake and the
+    actor's parameters after the load, before the KV cache wakes; a level-1 sleep (a checkpoint
+    with offloaded state) wakes everything once the state is offloaded again. Returns the count
+    of sleeps by level."""
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    assert events, "nothing was recorded"
+    phases: list[list[dict]] = []
+    for pid in sorted({event["pid"] for event in events}):  # each rank's process: its engine, its passes
+        asleep: set[str] = set()
+        mine: list[list[dict]] = []
+        for event in (event for event in events if event["pid"] == pid):
+            kind = event["event"]
+            if kind == "sleep":
+                assert not asleep, f"a sleep while asleep: {event}"
+                asleep = {"weights", "kv_cache"}
+                mine.append([])
+            elif kind == "wake_up":
+                asleep -= set(event["tags"] or ("weights", "kv_cache"))
+            elif kind == "run":
+                assert asleep == {"weights", "kv_cache"}, f"a megatron pass with the engine awake (asleep: {sorted(asleep)})"
+            if mine:
+                mine[-1].append(event)
+        phases += mine
+    levels: dict[int, int] = {}
+    for phase in phases:
+        names = [e["event"] for e in phase]
+        level = phase[0]["level"]
+        levels[level] = levels.get(level, 0) + 1
+        wakes = [i for i, e in enumerate(phase) if e["event"] == "wake_up"]
+        offloads = [i for i, e in enumerate(phase) if e["event"] == "offload"]
+        if level == 1:  # a checkpoint: the whole state back, saved, sent away again; no pass
+            assert "run" not in names and [phase[i]["tags"] for i in wakes] == [["weights", "kv_cache"]], names
+            assert offloads and "params" in phase[offloads[-1]]["kinds"] and "empty_cache" in names[offloads[-1]:wakes[0]]
+            continue
+        assert level == 2, phase[0]
+        assert [phase[i]["tags"] for i in wakes] == [["weights"], ["kv_cache"]], names
+        weights, kv_cache = wakes
+        last_pass = max((i for i, name in enumerate(names) if name == "run"), default=0)  # a resume loads, no pass
+        assert last_pass < weights and "empty_cache" in names[last_pass:weights], names
+        assert names[weights + 1:kv_cache].count("load") == 1 and "loaded" in names[weights + 1:kv_cache], names
+        assert "load" not in names[:weights] and "loaded" not in names[kv_cache:], names
+        loaded = names.index("loaded")
+        if offload:
+            assert any(phase[i]["kinds"] == ["grads", "optimizer"] for i in offloads if last_pass < i < weights), names
+            after_load = [i for i in offloads if loaded < i < kv_cache]
+            assert after_load and "params" in phase[after_load[-1]]["kinds"], names
+            assert "empty_cache" in names[after_load[-1]:kv_cache], names
+    return levels

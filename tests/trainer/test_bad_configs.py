@@ -106,6 +106,13 @@ CASES = [
     (["reward.custom_function_path=REWARD_RAISES_ON_IMPORT"], "reward.custom_function_path"),
     (["reward.custom_function_path=/nonexistent/reward.py"], "reward.custom_function_path: no file at"),
     (["model.path=/nonexistent/model"], "/nonexistent/model"),
+    (["actor.offload=true", "rollout.mode=disaggregated", "rollout.num_engines=1"],
+     "actor.offload=true makes room for colocated engines"),
+    (["critic.offload=true"], "critic.offload=true, and trainer.algorithm=grpo trains no critic"),
+    (["parallel.device_memory_gib=0"], "parallel.device_memory_gib=0.0 must be > 0"),
+    (["parallel.device_memory_gib=3", "rollout.gpu_memory_utilization=0.9"],
+     "the memory plan needs 4.71 GiB per device in generation, over the device's 3.00 GiB (parallel.device_memory_gib); "
+     "biggest terms: engine share (0.9 of the device) 2.70 GiB (lower it: a smaller rollout.gpu_memory_utilization)"),
 ]
 
 

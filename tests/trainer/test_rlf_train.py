@@ -8,17 +8,19 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from rlf_train_cli import assert_same_metrics, kill_after_checkpoint, records, rlf_train, stored_trajectories  # noqa: E402
+from rlf_train_cli import (assert_same_metrics, check_device_phases, kill_after_checkpoint, recording_env,  # noqa: E402
+                           records, rlf_train, stored_trajectories)
 
 from rlfactory_megatron.envs.storage import RolloutStore  # noqa: E402
 
 
 # LR warm-up over 4 steps: the SFT warm-start trains at its own LR without advancing it. tp=2:
 # two engines (one per TP rank, each writing its shard); mini-batches of 2 rows: several optimizer
-# steps per RL step, so the resumed optimizer and LR schedule are exercised within a step too.
-# wandb offline: a resumed run logs into the run the killed one started.
+# steps per RL step, so the resumed optimizer and LR schedule are exercised within a step too; a
+# KL loss: a reference model. wandb offline: a resumed run logs into the run the killed one started.
 RESUMED_RUN = ("trainer.total_steps=4", "actor.optim.warmup_steps=4", "actor.optim.lr=1e-6", "parallel.tp=2",
-               "actor.mini_batch_size=2", "logging.wandb_project=rlf-tests", "logging.wandb_mode=offline")
+               "actor.mini_batch_size=2", "actor.kl_loss_coef=0.01", "logging.wandb_project=rlf-tests",
+               "logging.wandb_mode=offline")
 
 
 def wandb_runs(run_dir) -> list[str]:
@@ -76,11 +78,17 @@ def test_killed_run_resumes_and_continues_exactly(tmp_path):
     assert (run / "cache" / "tool_artifacts").is_dir()
     assert wandb_runs(run) == [checkpoint_state(run, 4)["wandb_run_id"]]
 
-    kill_after_checkpoint(tmp_path, "killed", "step_000002", *RESUMED_RUN, warm_starts)
+    # The killed and resumed runs keep the actor's and the reference's state in host memory while
+    # the engines generate (actor.offload): the same numbers as the full run without it.
+    kill_after_checkpoint(tmp_path, "killed", "step_000002", *RESUMED_RUN, warm_starts, "actor.offload=true")
     assert f"reused from {tmp_path / 'warm-starts'}" in (tmp_path / "killed.log").read_text()
-    resumed = rlf_train(tmp_path, "killed", *RESUMED_RUN, warm_starts)
+    recorded = tmp_path / "phases.jsonl"
+    resumed = rlf_train(tmp_path, "killed", *RESUMED_RUN, warm_starts, "actor.offload=true", env=recording_env(recorded))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "step_000002 at step 2" in resumed.stdout
+    # resume and 2 steps, each after a level-2 sleep; the checkpoint of step 4 after a level-1 sleep (with both
+    # engines of tp=2, each recorded)
+    assert check_device_phases(recorded, offload=True) == {2: 2 * 3, 1: 2}
     assert "SFT warm-start done" not in resumed.stdout  # warm-start belongs to a fresh run only
     with RolloutStore(tmp_path / "killed" / "cache" / "rollouts", readonly=True) as store:
         assert store.steps() == [1, 2, 3, 4] and all(len(store.read_step(s)) == 4 for s in (1, 2, 3, 4))
@@ -90,6 +98,17 @@ def test_killed_run_resumes_and_continues_exactly(tmp_path):
     assert stored_trajectories(tmp_path / "killed") == stored_trajectories(run)  # each trajectory once, as trained
     killed = tmp_path / "killed"
     assert wandb_runs(killed) == 2 * [checkpoint_state(killed, 2)["wandb_run_id"]]  # killed + resumed: one run
+
+
+def test_item2_engines_sleep_through_training_and_wake_weights_then_kv_cache(tmp_path):
+    # Issue 41 item 2, vLLM's order for a weight update (as verl does it): the engine sleeps at
+    # level 2 before every training phase (the SFT warm-start included), then after training
+    # torch.cuda.empty_cache(), the weights wake, load, and only then the KV cache wakes.
+    recorded = tmp_path / "phases.jsonl"
+    out = rlf_train(tmp_path, "run", "trainer.total_steps=2", env=recording_env(recorded))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "SFT warm-start done" in out.stdout
+    assert check_device_phases(recorded) == {2: 3}  # the warm-start and two steps, each after a level-2 sleep
 
 
 def test_dapo_drops_uniform_groups_and_applies_its_settings(tmp_path):

@@ -2,7 +2,8 @@
 hand (rlf-train runs the tp*pp local ranks itself): each model-parallel group of 2 ranks feeds 2
 engines, every engine serves the actor's weights after each sync, tools and rewards run in Ray,
 and every rank trains its shard. One layout per algorithm: GRPO (with dual-clip, a loss the user
-names over the algorithm's) at pp=2, PPO at tp=2."""
+names over the algorithm's) at pp=2, PPO at tp=2 with the actor's and the critic's state in host
+memory while the engines generate (as the PPO example runs)."""
 import math
 import os
 import sys
@@ -14,7 +15,7 @@ from rlf_train_cli import records, rlf_train  # noqa: E402
 
 
 @pytest.mark.parametrize("algorithm,tp,pp,extra", [("grpo", 1, 2, ("actor.policy_loss=dual-clip",)),
-                                                   ("ppo", 2, 1, ())])
+                                                   ("ppo", 2, 1, ("actor.offload=true", "critic.offload=true"))])
 def test_three_steps_with_tools_and_rewards(tmp_path, algorithm, tp, pp, extra):
     # mini_batch_size=2: several optimizer steps per RL step, so old log-probs are computed and the
     # engines' log-probs are compared with them (rollout/logprob_gap_max) at every step.

@@ -1,18 +1,29 @@
-"""Fault injection for the tests that put this folder on PYTHONPATH (every process of the run,
-Ray's engine actors included, imports it at start-up). Inert unless the variable below is set.
+"""Fault injection and recording for the tests that put this folder on PYTHONPATH (every process
+of the run, Ray's engine actors included, imports it at start-up). Inert unless a variable below
+is set; each patches a module of ours right after it is imported.
 
 RLF_TEST_KILL_ENGINE_MID_SYNC="<actor name>:<sync>:<bucket>": the engine actor of that name exits
 (as a crashed process does) when it is about to receive that bucket (1-based) of its that-th
-weight sync: an engine lost in the middle of a sync, at a point no timing decides."""
+weight sync: an engine lost in the middle of a sync, at a point no timing decides.
+
+RLF_TEST_RECORD_DEVICE_PHASES=<file>: what a GPU's memory hand-over between training and the
+engines depends on is written to <file>, one JSON object per line, in order: every engine
+sleep (its level) and wake-up (its tags), the first and the last bucket of each weight load,
+every megatron pass (training or forward only), every offload (its kinds) and every
+torch.cuda.empty_cache(). vLLM's sleep mode itself runs on GPU only; the calls are what a CPU
+run can show.
+"""
+import json
 import os
 import sys
 
-_SPEC = os.environ.get("RLF_TEST_KILL_ENGINE_MID_SYNC")
-_MODULE = "rlfactory_megatron.rollout.ray_engine"
+_KILL_SPEC = os.environ.get("RLF_TEST_KILL_ENGINE_MID_SYNC")
+_RECORD = os.environ.get("RLF_TEST_RECORD_DEVICE_PHASES")
 
 
-def _patch(host) -> None:
-    name, sync, bucket = _SPEC.rsplit(":", 2)
+def _kill_mid_sync(module) -> None:
+    host = module.VLLMEngineHost
+    name, sync, bucket = _KILL_SPEC.rsplit(":", 2)
     sync, bucket = int(sync), int(bucket)
     count = {"syncs": 0, "buckets": 0}
     receive, finish = host.receive_bucket, host.finish_weight_update
@@ -33,21 +44,89 @@ def _patch(host) -> None:
     host.receive_bucket, host.finish_weight_update = receive_or_exit, finish_counting
 
 
-if _SPEC:
+def _record(event: str, **fields) -> None:
+    with open(_RECORD, "a") as out:
+        out.write(json.dumps({"event": event, "pid": os.getpid(), **fields}) + "\n")
+
+
+def _wrap(cls, name: str, before) -> None:
+    """cls.name records `before(args, kwargs)`'s event, then runs as it did."""
+    original = getattr(cls, name)
+
+    def recorded(self, *args, **kwargs):
+        before(self, args, kwargs)
+        return original(self, *args, **kwargs)
+
+    setattr(cls, name, recorded)
+
+
+def _record_engine(module) -> None:
+    engine = module.VLLMEngine
+    _wrap(engine, "sleep", lambda self, a, k: _record("sleep", level=(a[0] if a else k.get("level"))))
+    _wrap(engine, "wake_up", lambda self, a, k: _record("wake_up", tags=(a[0] if a else k.get("tags"))))
+
+    def load(self, a, k):
+        if not getattr(self, "_recorded_load", False):
+            self._recorded_load = True
+            _record("load")
+
+    def loaded(self, a, k):
+        self._recorded_load = False
+        _record("loaded")
+
+    _wrap(engine, "load_weights", load)
+    _wrap(engine, "finish_weight_update", loaded)
+
+
+def _record_training(module) -> None:
+    import torch
+
+    def forward_only(a, k) -> bool:
+        return bool(a[2] if len(a) > 2 else k.get("forward_only"))
+
+    _wrap(module.MegatronEngine, "run", lambda self, a, k: _record("run", train=not forward_only(a, k)))
+    empty_cache = torch.cuda.empty_cache
+
+    def recorded_empty_cache():
+        _record("empty_cache")
+        empty_cache()
+
+    torch.cuda.empty_cache = recorded_empty_cache
+
+
+def _record_offload(module) -> None:
+    _wrap(module.HostOffload, "offload", lambda self, a, k: _record("offload", kinds=sorted(a[0] if a else k["kinds"])))
+
+
+_PATCHES = {}
+if _KILL_SPEC:
+    _PATCHES["rlfactory_megatron.rollout.ray_engine"] = [_kill_mid_sync]
+if _RECORD:
+    _PATCHES.setdefault("rlfactory_megatron.rollout.engines", []).append(_record_engine)
+    _PATCHES.setdefault("rlfactory_megatron.actor.engine", []).append(_record_training)
+    _PATCHES.setdefault("rlfactory_megatron.actor.offload", []).append(_record_offload)
+
+if _PATCHES:
     import importlib.abc
     import importlib.util
 
     class _PatchAfterImport(importlib.abc.MetaPathFinder):
         def find_spec(self, fullname, path, target=None):
-            if fullname != _MODULE:
+            if fullname not in _PATCHES:
                 return None
-            sys.meta_path.remove(self)
-            spec = importlib.util.find_spec(fullname)
+            patches = _PATCHES.pop(fullname)
+            sys.meta_path.remove(self)  # the module's own spec, found without this finder
+            try:
+                spec = importlib.util.find_spec(fullname)
+            finally:
+                if _PATCHES:
+                    sys.meta_path.insert(0, self)
             run_module = spec.loader.exec_module
 
             def exec_module(module):
                 run_module(module)
-                _patch(module.VLLMEngineHost)
+                for patch in patches:
+                    patch(module)
 
             spec.loader.exec_module = exec_module
             return spec

@@ -1,0 +1,153 @@
+"""The memory plan (`rlf-train --plan`, and every run's start-up): terms from the model's real
+shape, each example config fits the GPU it names, and a layout over the device's memory is
+refused at load naming its biggest terms and the keys that lower them."""
+import functools
+import json
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
+from rlf_train_cli import BIN, env_for  # noqa: E402
+from test_config import REAL_SHAPES  # noqa: E402
+
+from rlfactory_megatron.config import ConfigError, load_config  # noqa: E402
+from rlfactory_megatron.models.hf_arch import arch_from_hf_config  # noqa: E402
+from rlfactory_megatron.trainer.memory_plan import GIB, memory_plan  # noqa: E402
+from rlfactory_megatron.trainer.presets import apply_preset  # noqa: E402
+
+ROOT = Path(__file__).parents[2]
+EXAMPLES = ROOT / "rlfactory_megatron" / "config" / "examples"
+# (config, its model's shape, the job's ranks)
+EXAMPLE_JOBS = [("qwen2_5_7b_grpo_8gpu.yaml", "qwen2_7b", 8), ("qwen2_7b_ppo_megatron.yaml", "qwen2_7b", 8),
+                ("qwen3_8b_grpo_2node.yaml", "qwen3_8b", 16), ("llama3_1_8b_grpo_8gpu.yaml", "llama3_1_8b", 8)]
+
+
+def test_parameter_counts_are_the_models_published_ones():
+    published = {"qwen2_7b": 7_615_616_512, "qwen3_8b": 8_190_735_360, "llama3_1_8b": 8_030_261_248}
+    for model, count in published.items():
+        assert arch_from_hf_config(REAL_SHAPES[model]).parameter_count() == count, model
+    # Per rank at tp/pp > 1: tests/actor/test_offload.py counts the megatron model each rank builds.
+
+
+@functools.cache
+def _example(name: str):
+    cfg = load_config(EXAMPLES / name)
+    apply_preset(cfg)
+    return cfg
+
+
+def _plan(name: str, model: str, world: int, *overrides: str):
+    """The plan of an example config with `overrides` (key=value) on top."""
+    cfg = OmegaConf.merge(_example(name), OmegaConf.from_dotlist(list(overrides)))
+    return memory_plan(cfg, arch_from_hf_config(REAL_SHAPES[model]), world)
+
+
+def _term(plan, phase: str, start: str) -> float:
+    return sum(term.bytes for term in plan.terms(phase) if term.name.startswith(start))
+
+
+def test_each_term_follows_the_keys_that_shape_it():
+    base = _plan("qwen2_5_7b_grpo_8gpu.yaml", "qwen2_7b", 8)
+    # bf16 Qwen2-7B at tp=4: 1.90B parameters per rank, 2 bytes each, fp32 gradients, fp32 main
+    # parameters and two Adam moments sharded over dp=2.
+    params = arch_from_hf_config(REAL_SHAPES["qwen2_7b"]).parameter_count(4, 1, 0)
+    assert _term(base, "training", "actor weights") == 2 * params
+    assert _term(base, "training", "actor gradients") == 4 * params
+    assert _term(base, "training", "actor optimizer") == 12 * params / 2
+    whole = _plan("qwen2_5_7b_grpo_8gpu.yaml", "qwen2_7b", 8, "actor.optim.use_distributed_optimizer=false")
+    assert _term(whole, "training", "actor optimizer") == 12 * params
+    assert "actor.optim.use_distributed_optimizer=true" in next(
+        t for t in whole.terms("training") if t.name.startswith("actor optimizer")).lowered_by
+    activations = _term(base, "training", "activations")
+    assert _term(_plan("qwen2_5_7b_grpo_8gpu.yaml", "qwen2_7b", 8, "model.recompute_activations=false"),
+                 "training", "activations") > 5 * activations
+    assert _term(_plan("qwen2_5_7b_grpo_8gpu.yaml", "qwen2_7b", 8, "parallel.sequence_parallel=true"),
+                 "training", "activations") < activations
+    assert _term(_plan("qwen2_5_7b_grpo_8gpu.yaml", "qwen2_7b", 8, "actor.max_tokens_per_microbatch=8192"),
+                 "training", "activations") < 0.6 * activations
+    assert _term(_plan("qwen2_5_7b_grpo_8gpu.yaml", "qwen2_7b", 8, "actor.kl_loss_coef=0"), "training", "reference") == 0
+    assert _term(base, "generation", "reference") == 2 * params
+    offloaded = _plan("qwen2_5_7b_grpo_8gpu.yaml", "qwen2_7b", 8, "actor.offload=true")
+    assert _term(offloaded, "generation", "actor") == _term(offloaded, "generation", "reference") == 0
+    assert _term(offloaded, "training", "actor") == _term(base, "training", "actor")  # training needs it all back
+    assert _term(offloaded, "weight sync", "actor weights") == 2 * params  # the sync reads the parameters
+    assert _term(base, "generation", "engine share") == 0.5 * 79 * GIB
+
+
+@pytest.mark.parametrize("shape", ["qwen2_7b", "qwen3_8b", "llama3_1_8b"])
+def test_the_engine_kv_cache_is_the_share_left_after_its_weights(shape):
+    arch = arch_from_hf_config(REAL_SHAPES[shape])
+    per_token = arch.kv_cache_bytes_per_token(2, tp=2)
+    assert per_token == 2 * arch.num_layers * arch.num_kv_heads // 2 * arch.head_dim * 2
+    cfg = load_config(overrides=["model.params_dtype=bfloat16", "rollout.tp=2", "parallel.device_memory_gib=79",
+                                 "rollout.gpu_memory_utilization=0.5", "rollout.max_prompt_tokens=1024",
+                                 "rollout.max_response_tokens=1024"])
+    plan = memory_plan(cfg, arch, 2)
+    tokens = (0.5 * 79 * GIB - arch.parameter_count() * 2 / 2) / per_token
+    assert f"= {tokens:,.0f} tokens = {tokens / 2048:,.0f} sequences of 2048" in plan.engine
+    # A share that cannot hold the engine's weights and one full-length sequence: vLLM would not start.
+    starved = memory_plan(OmegaConf.merge(cfg, OmegaConf.from_dotlist(["rollout.gpu_memory_utilization=0.05"])), arch, 2)
+    weights = arch.parameter_count() * 2 / 2 / GIB
+    with pytest.raises(ConfigError, match=rf"rollout.gpu_memory_utilization=0.05 gives each engine 3.95 GiB per device, "
+                                          rf"less than its weights \({weights:.2f} GiB\) and the KV cache of one "
+                                          rf"2048-token sequence .* raise rollout.gpu_memory_utilization or rollout.tp"):
+        starved.check()
+
+
+def _model_folders(root: Path) -> dict[str, Path]:
+    """Each real model's config.json alone: all the plan reads of a model."""
+    folders = {}
+    for model, shape in REAL_SHAPES.items():
+        folders[model] = root / model
+        folders[model].mkdir()
+        (folders[model] / "config.json").write_text(json.dumps(shape))
+    return folders
+
+
+def _rlf_train_plan(tmp_path, name: str, model: Path, world: int, *overrides: str):
+    start = time.monotonic()
+    out = subprocess.run([str(BIN / "rlf-train"), "--plan", "--world-size", str(world), "--config",
+                          str(EXAMPLES / name), f"model.path={model}", *overrides],
+                         capture_output=True, text=True, env=env_for(tmp_path), timeout=120, cwd=ROOT)
+    return out, time.monotonic() - start
+
+
+def test_each_example_fits_the_gpu_it_names_by_rlf_train_plan(tmp_path):
+    folders = _model_folders(tmp_path)
+    with ThreadPoolExecutor(2) as pool:
+        runs = list(pool.map(lambda job: _rlf_train_plan(tmp_path, job[0], folders[job[1]], job[2]), EXAMPLE_JOBS))
+    for (name, _, world), (out, _) in zip(EXAMPLE_JOBS, runs):
+        assert out.returncode == 0, (name, out.stderr[-2000:])
+        assert f"dp=2 ({world} ranks)" in out.stdout and "device: 79.00 GiB (parallel.device_memory_gib)" in out.stdout
+        for term in ("actor weights (bfloat16)", "actor gradients (fp32)",
+                     "actor optimizer (fp32 main params + Adam moments, 1/2 each)", "activations (16384 tokens, recompute)",
+                     "engine share (0.5 of the device)", "engine weights (bfloat16, 1/2 each)", "KV cache at most"):
+            assert term in out.stdout, (name, term, out.stdout)
+        assert "GiB to spare" in out.stdout.splitlines()[-1], (name, out.stdout)
+    assert {job[0] for job in EXAMPLE_JOBS} == {p.name for p in EXAMPLES.glob("*.yaml")}
+    ppo = runs[1][0].stdout
+    assert "critic optimizer" in ppo and "reference" not in ppo
+    assert "reference weights (bfloat16)" in runs[0][0].stdout
+
+
+@pytest.mark.serial  # a bound on wall time: run alone (scripts/test.sh)
+def test_a_layout_over_its_gpu_is_refused_at_load_naming_its_biggest_terms_and_their_keys(tmp_path):
+    # The PPO example with its actor and critic resident while the engines generate (as the
+    # example stood before offload): 84 GiB of a 79 GiB device.
+    folders = _model_folders(tmp_path)
+    out, seconds = _rlf_train_plan(tmp_path, "qwen2_7b_ppo_megatron.yaml", folders["qwen2_7b"], 8,
+                                   "actor.offload=false", "critic.offload=false")
+    assert out.returncode == 2 and seconds < 10, (out.returncode, seconds, out.stderr[-2000:])
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("rlf-train: error: the memory plan needs 84.06 GiB per device in generation, over the "
+                           "device's 79.00 GiB (parallel.device_memory_gib); biggest terms: engine share "
+                           "(0.5 of the device) 39.50 GiB (lower it: a smaller rollout.gpu_memory_utilization)"), last
+    assert "(lower it: actor.offload=true," in last and "(lower it: critic.offload=true," in last
+    assert "does not fit, 5.06 GiB over" in out.stdout
