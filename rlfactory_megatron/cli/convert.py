@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser("hf-to-mcore", help="HF safetensors folder -> Megatron distributed checkpoint")
     a.add_argument("--hf-dir", required=True)
     a.add_argument("--out", required=True)
-    b = sub.add_parser("mcore-to-hf", help="Megatron distributed checkpoint (or a run checkpoint) -> HF safetensors folder")
+    b = sub.add_parser("mcore-to-hf",
+                       help="Megatron distributed checkpoint (or a run checkpoint) -> HF safetensors folder")
     b.add_argument("--mcore-dir", required=True)
     b.add_argument("--out", required=True)
     c = sub.add_parser("check", help="logits, loss and gradients of the Megatron model vs transformers")

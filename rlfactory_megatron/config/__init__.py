@@ -26,8 +26,9 @@ POSITIVE_INTS = ("parallel.tp", "parallel.pp", "rollout.n", "rollout.tp", "actor
                  "actor.mini_batch_size", "actor.max_tokens_per_microbatch", "trainer.total_steps",
                  "trainer.prompts_per_step", "weight_sync.bucket_mb", "tools.max_turns", "trainer.sft_batch_size",
                  "trainer.max_skipped_updates", "rollout.max_prompt_tokens", "rollout.max_response_tokens",
-                 "rollout.max_num_seqs", "tools.tool_response_max_tokens", "tools.num_workers", "tools.max_concurrency", "reward.num_workers",
-                 "critic.ppo_epochs", "trainer.keep_last", "cache.tool_cache_max_mb", "logging.log_every")
+                 "tools.tool_response_max_tokens", "tools.num_workers", "tools.max_concurrency", "reward.num_workers",
+                 "critic.ppo_epochs", "trainer.keep_last", "cache.tool_cache_max_mb", "logging.log_every",
+                 "rollout.max_num_seqs")
 NON_NEGATIVE = ("trainer.save_every", "trainer.val_every", "trainer.val_prompts", "trainer.sft_steps", "trainer.max_refill_rounds",
                 "trainer.max_staleness",
                 "actor.optim.warmup_steps", "critic.optim.warmup_steps", "actor.optim.min_lr", "critic.optim.min_lr",
@@ -285,8 +286,9 @@ def validate_against_model(cfg, arch, world_size: int) -> None:
     if OmegaConf.select(cfg, "rollout.max_prompt_tokens") is not None:
         context = cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens
         if context > arch.max_position_embeddings:
-            raise ConfigError(f"rollout.max_prompt_tokens + rollout.max_response_tokens = {context} exceeds the model's "
-                              f"context of {arch.max_position_embeddings} tokens (max_position_embeddings); lower them")
+            raise ConfigError(f"rollout.max_prompt_tokens + rollout.max_response_tokens = {context} exceeds the "
+                              f"model's context of {arch.max_position_embeddings} tokens (max_position_embeddings); "
+                              "lower them")
     if world_size % (tp * pp) != 0:
         raise ConfigError(
             f"world size {world_size} is not divisible by parallel.tp*parallel.pp={tp}*{pp}; "

@@ -66,11 +66,13 @@ def test_inconsistent_parallel_sizes_are_rejected(tp, pp, vpp, world, message):
 # Shapes of the real models (from their config.json), to check each example's layout fits them.
 REAL_SHAPES = {
     "qwen2_7b": dict(model_type="qwen2", num_hidden_layers=28, hidden_size=3584, intermediate_size=18944,
-                     num_attention_heads=28, num_key_value_heads=4, vocab_size=152064),  # Qwen2(.5)-7B
+                     num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                     max_position_embeddings=32768),  # Qwen2(.5)-7B
     "qwen3_8b": dict(model_type="qwen3", num_hidden_layers=36, hidden_size=4096, intermediate_size=12288,
-                     num_attention_heads=32, num_key_value_heads=8, vocab_size=151936),
+                     num_attention_heads=32, num_key_value_heads=8, vocab_size=151936, max_position_embeddings=40960),
     "llama3_1_8b": dict(model_type="llama", num_hidden_layers=32, hidden_size=4096, intermediate_size=14336,
-                        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256),
+                        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                        max_position_embeddings=131072),
 }
 
 

@@ -100,7 +100,8 @@ def test_example_scripts_parse_and_name_configs_that_exist(script):
 SCALE_TO_CPU = {
     "model.params_dtype": "float32", "model.layer_spec": "auto", "model.recompute_activations": "false",
     "parallel.tp": "1", "parallel.pp": "1", "rollout.tp": "1",
-    "rollout.max_prompt_tokens": "512", "rollout.max_response_tokens": "32", "trainer.prompts_per_step": "2", "rollout.max_num_seqs": "16",
+    "rollout.max_prompt_tokens": "512", "rollout.max_response_tokens": "32", "trainer.prompts_per_step": "2",
+    "rollout.max_num_seqs": "16",
     "rollout.gpu_memory_utilization": "0.1", "tools.num_workers": "1", "reward.num_workers": "1",
     "trainer.total_steps": "1", "trainer.val_every": "0", "trainer.save_every": "0",
 }

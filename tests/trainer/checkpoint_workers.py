@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 
-def log_probs_three_ways(checkpoint: str, initial_hf_dir: str, rows: list[tuple[list[int], list[int]]]) -> dict[str, float]:
+def log_probs_three_ways(checkpoint: str, initial_hf_dir: str,
+                         rows: list[tuple[list[int], list[int]]]) -> dict[str, float]:
     """Largest |difference| to Megatron's log-probs of every token after the first, over `rows`
     (prompt ids, response ids): transformers' and vLLM's from the checkpoint's `hf/` folder, and
     (how far training moved them) transformers' from the run's initial model. fp32, untempered;

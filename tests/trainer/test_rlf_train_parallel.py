@@ -59,7 +59,8 @@ def _check_the_trained_model_leaves_as_hf(tmp_path, checkpoint):
     os.environ.setdefault("RLF_CACHE_HOME", env_for(tmp_path)["RLF_CACHE_HOME"])  # the run's model cache
 
     hf = checkpoint / "hf"
-    assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"} <= {p.name for p in hf.iterdir()}
+    files = {p.name for p in hf.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"} <= files
     assert AutoTokenizer.from_pretrained(hf).chat_template
     stored = stored_trajectories(tmp_path / "run")
     last = max(step for step, _ in stored)
