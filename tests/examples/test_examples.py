@@ -147,12 +147,15 @@ def _flat(node, prefix: str = "") -> dict[str, object]:
     return {prefix[:-1]: node}
 
 
-def _check_runs_as_written(script: str, run_dir: Path) -> list[dict]:
-    """The run's config is the example's own but for the model, the data and SCALE_TO_CPU; it
-    made and trained one RL step. Returns its metrics."""
+def _check_runs_as_written(script: str, run_dir: Path, env: dict[str, str]) -> list[dict]:
+    """The run's config is the example's own but for the model, the data and SCALE_TO_CPU; its
+    engine runs rollout.max_num_seqs sequences, with a CPU KV cache sized for them; it made and
+    trained one RL step. Returns its metrics."""
     from omegaconf import OmegaConf
 
     from rlfactory_megatron.config import load_config
+    from rlfactory_megatron.models.hf_arch import load_arch
+    from rlfactory_megatron.models.resolve import resolve_model_path
     from rlfactory_megatron.trainer.presets import apply_preset
 
     [config] = [word for word in (EXAMPLES / script).read_text().split() if word.endswith(".yaml")]
@@ -163,6 +166,13 @@ def _check_runs_as_written(script: str, run_dir: Path) -> list[dict]:
     changed = {key for key in written if ran[key] != written[key]}
     assert changed <= set(SCALE_TO_CPU) | set(LOCATIONS), changed - set(SCALE_TO_CPU) - set(LOCATIONS)
     assert ran["model.path"].startswith("tiny://") and ran["trainer.data_path"].endswith("train.parquet")
+    os.environ.setdefault("RLF_CACHE_HOME", env["RLF_CACHE_HOME"])  # the run's model cache
+    arch = load_arch(resolve_model_path(ran["model.path"]))
+    sequences = ran["rollout.max_num_seqs"]
+    tokens = ran["rollout.max_prompt_tokens"] + ran["rollout.max_response_tokens"]
+    kv_bytes = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * 4 * tokens * sequences  # keys, values; fp32
+    engine_args = (run_dir / "logs" / "rank00000.log").read_text()  # vLLM logs the arguments it was given
+    assert f"'max_num_seqs': {sequences}," in engine_args and f"'kv_cache_memory_bytes': {kv_bytes}," in engine_args
     logged = [r for r in records(run_dir) if r["step"] > 0]
     assert [r["step"] for r in logged] == [1]
     step = logged[0]
@@ -174,12 +184,12 @@ def _check_runs_as_written(script: str, run_dir: Path) -> list[dict]:
 @pytest.mark.parametrize("script", ["grpo_qwen2_5_7b_gsm8k_tools.sh", "grpo_llama3_1_8b_gsm8k_tools.sh",
                                     "ppo_trainer/run_qwen2-7b_math_gsm8k_megatron.sh"])
 def test_single_node_example_runs_one_rl_step_as_written(tmp_path, script):
-    out = tmp_path / "run"
+    out, env = tmp_path / "run", _example_env(tmp_path, script)
     run = subprocess.run([str(EXAMPLES / script), *(f"{k}={v}" for k, v in SCALE_TO_CPU.items()),
                           f"trainer.output_dir={out}"],
-                         env=_example_env(tmp_path, script), capture_output=True, text=True, timeout=900, cwd=tmp_path)
+                         env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
-    [step] = _check_runs_as_written(script, out)
+    [step] = _check_runs_as_written(script, out, env)
     if "ppo" in script:  # GSM8K and MATH joined, each row scored by its data_source's scorer, a critic trained
         assert (tmp_path / "data" / "gsm8k_math_train.parquet").is_file() and step["critic/vf_loss"] > 0
     else:  # the calculator tool offered in the example's chat format (the tiny model may not call it)
@@ -206,6 +216,6 @@ def test_two_node_example_runs_one_rl_step_through_launch_multinode(tmp_path):
     assert node0.returncode == 0 and node1.returncode == 0, node0.stderr[-3000:] + "\n--- node 1:\n" + node1_log[-2000:]
     assert "node 0 of 2, 1 rank(s) here" in node0.stderr and "node 1 of 2, 1 rank(s) here" in node1_log
     assert "tp=1 pp=1 on 2 rank(s)" in node0.stdout
-    [step] = _check_runs_as_written(script, out)
+    [step] = _check_runs_as_written(script, out, env)
     assert step["rollout/num_engines"] == 2 and step["train/dp_rows_min"] >= 1  # an engine and a DP rank per node
     assert "rollout/groups_kept" in step  # DAPO's dynamic sampling, as the example's algorithm says
