@@ -49,11 +49,9 @@ def _check_prompt_lengths(cfg, hf_dir: str, train: list[PromptRecord], val: list
     from transformers import AutoTokenizer
 
     from rlfactory_megatron.envs.tool_manager import get_tool_manager
-    from rlfactory_megatron.envs.tools.toolbox import tool_schemas
-    from rlfactory_megatron.trainer.tasks import run_tool_specs
 
     manager = get_tool_manager(cfg.tools.format, AutoTokenizer.from_pretrained(hf_dir))
-    schemas = tool_schemas(run_tool_specs(cfg)) if cfg.tools.enable else None
+    schemas = _tool_schemas(cfg) if cfg.tools.enable else None
     records = train + val
     lengths = [len(manager.render_prompt(r.messages, schemas)) for r in records]
     limit, truncation = cfg.rollout.max_prompt_tokens, cfg.rollout.truncation
@@ -72,3 +70,17 @@ def _check_prompt_lengths(cfg, hf_dir: str, train: list[PromptRecord], val: list
         kept = "last" if truncation == "left" else "first"
         line += f"; {len(over)} longer ones keep their {kept} {limit} tokens (rollout.truncation={truncation})"
     return line
+
+
+def _tool_schemas(cfg) -> list[dict]:
+    """The schemas of the run's tools, built here as a tool actor builds them: a tool that cannot
+    start (a python sandbox without bubblewrap, an MCP server that does not answer) is named now."""
+    from rlfactory_megatron.envs.tools.toolbox import tool_schemas
+    from rlfactory_megatron.trainer.tasks import run_tool_specs
+
+    try:
+        return tool_schemas(run_tool_specs(cfg))
+    except Exception as exc:  # whatever a tool's constructor raises, as one line naming where it is declared
+        where = (f"tools.config_path={cfg.tools.config_path}" if cfg.tools.config_path
+                 else f"trainer.task={cfg.trainer.task}")
+        raise ValueError(f"{where}: a tool does not start: {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
