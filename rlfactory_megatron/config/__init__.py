@@ -18,6 +18,7 @@ CHOICES: dict[str, tuple] = {
     "critic.optim.lr_decay_style": ("constant", "linear", "cosine"),
     "trainer.sft_lr_decay_style": ("constant", "linear", "cosine"),
     "rollout.mode": ("colocated", "disaggregated"),
+    "rollout.truncation": ("error", "left", "right"),
     "tools.channel": ("auto", "unix", "tcp"),
     "tools.turn_schedule": ("per_sample", "lockstep"),
     "logging.wandb_mode": ("online", "offline"),
@@ -27,7 +28,8 @@ POSITIVE_INTS = ("parallel.tp", "parallel.pp", "rollout.n", "rollout.tp", "actor
                  "trainer.prompts_per_step", "weight_sync.bucket_mb", "tools.max_turns", "trainer.sft_batch_size",
                  "trainer.max_skipped_updates", "rollout.max_prompt_tokens", "rollout.max_response_tokens",
                  "tools.tool_response_max_tokens", "tools.num_workers", "tools.max_concurrency", "reward.num_workers",
-                 "critic.ppo_epochs", "trainer.keep_last", "cache.tool_cache_max_mb", "logging.log_every")
+                 "critic.ppo_epochs", "trainer.keep_last", "cache.tool_cache_max_mb", "logging.log_every",
+                 "rollout.max_num_seqs")
 NON_NEGATIVE = ("trainer.save_every", "trainer.val_every", "trainer.val_prompts", "trainer.sft_steps", "trainer.max_refill_rounds",
                 "trainer.max_staleness",
                 "actor.optim.warmup_steps", "critic.optim.warmup_steps", "actor.optim.min_lr", "critic.optim.min_lr",
@@ -54,14 +56,17 @@ class ConfigError(ValueError):
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RLFConfig:
-    """Schema <- default.yaml <- YAML at `path` <- dotted `key=value` overrides, then validated."""
+    """Schema <- the YAML at `path` (or, without one, default.yaml: the embedded default's
+    tiny-model run) <- dotted `key=value` overrides, then validated. A file starts from the
+    schema's defaults, never from the embedded default's."""
     try:
         cfg = OmegaConf.structured(RLFConfig)
-        cfg = OmegaConf.merge(cfg, OmegaConf.load(DEFAULT_CONFIG))
         if path is not None:
             if not Path(path).is_file():
                 raise ConfigError(f"config file '{path}' does not exist")
             cfg = OmegaConf.merge(cfg, _load_yaml(path))
+        else:
+            cfg = OmegaConf.merge(cfg, OmegaConf.load(DEFAULT_CONFIG))
         for item in overrides:
             if "=" not in item:
                 raise ConfigError(f"override '{item}' must look like key=value (e.g. actor.optim.lr=1e-6)")
@@ -115,6 +120,9 @@ def _keys_under(prefix: str) -> list[str]:
 
 def validate_static(cfg) -> None:
     """Checks that need no model or process group."""
+    if OmegaConf.is_missing(cfg.model, "path"):
+        raise ConfigError("model.path is required: a HF model folder (or tiny://qwen3 for a tiny test model); "
+                          "a run with --config starts from the schema's defaults, which name no model")
     for key, allowed in CHOICES.items():
         value = OmegaConf.select(cfg, key)
         if value not in allowed:
@@ -309,6 +317,12 @@ def validate_against_model(cfg, arch, world_size: int) -> None:
                               "rollout.mode=disaggregated for engines of their own")
     if OmegaConf.select(cfg, "rollout.mode") == "disaggregated":
         _check_engine_devices(cfg)
+    if OmegaConf.select(cfg, "rollout.max_prompt_tokens") is not None:
+        context = cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens
+        if context > arch.max_position_embeddings:
+            raise ConfigError(f"rollout.max_prompt_tokens + rollout.max_response_tokens = {context} exceeds the "
+                              f"model's context of {arch.max_position_embeddings} tokens (max_position_embeddings); "
+                              "lower them")
     if world_size % (tp * pp) != 0:
         raise ConfigError(
             f"world size {world_size} is not divisible by parallel.tp*parallel.pp={tp}*{pp}; "

@@ -122,7 +122,7 @@ class VLLMEngine:
         # an offset CPU generators do not have ("CPU Generator does not use offset"): prompts are
         # prefilled whole there, so per-request seeds work.
         chunking = {} if not on_cpu else {"enable_chunked_prefill": False,
-                                           "max_num_batched_tokens": max(8192, max_model_len),
+                                           "max_num_batched_tokens": max(8192, max_model_len, max_num_seqs),
                                            "kv_cache_memory_bytes": _cpu_kv_cache_bytes(
                                                self.hf_dir, dtype, max_model_len, max_num_seqs, memory_utilization)}
         started_before = descendants()

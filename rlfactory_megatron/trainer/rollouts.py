@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from rlfactory_megatron.actor.batch import RolloutBatch, dp_row_owners
-from rlfactory_megatron.trainer.data import PromptRecord
-from rlfactory_megatron.trainer.tasks import TASKS
+from rlfactory_megatron.trainer.data import PromptRecord, fit_prompt
+from rlfactory_megatron.trainer.tasks import run_tool_specs
 
 # What an engine's sleep gives up, as vLLM tags it, in the order a weight update wakes it.
 ENGINE_MEMORY = ("weights", "kv_cache")
@@ -392,7 +392,8 @@ class RolloutPlane:
         cfg = self.cfg
         engine_args = dict(dtype=cfg.model.params_dtype, tensor_parallel_size=cfg.rollout.tp,
                            max_model_len=cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens,
-                           memory_utilization=cfg.rollout.gpu_memory_utilization, seed=cfg.trainer.seed)
+                           max_num_seqs=cfg.rollout.max_num_seqs, memory_utilization=cfg.rollout.gpu_memory_utilization,
+                           seed=cfg.trainer.seed)
         if self.disaggregated:
             if not ray.is_initialized():
                 ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
@@ -445,10 +446,9 @@ class RolloutPlane:
         from rlfactory_megatron.envs.tool_pool import ToolPool, ToolPoolConfig
 
         cfg = self.cfg.tools
-        tools = cfg.config_path or [dict(tool) for tool in TASKS.get(self.cfg.trainer.task).tools]
-        pool_cfg = ToolPoolConfig.from_dict({"tools": tools, "num_actors": cfg.num_workers,
-                                             "max_concurrency": cfg.max_concurrency, "call_timeout_s": cfg.call_timeout_s,
-                                             "channel": cfg.channel})
+        pool_cfg = ToolPoolConfig(run_tool_specs(self.cfg), num_actors=cfg.num_workers,
+                                  max_concurrency=cfg.max_concurrency, call_timeout_s=cfg.call_timeout_s,
+                                  channel=cfg.channel)
         self.tool_pool = ToolPool(pool_cfg, self.artifacts)
         self.tool_schemas = self._run(self.tool_pool.start())
         if self.layout.rank == 0:
@@ -501,7 +501,8 @@ class RolloutPlane:
         sampling = {"temperature": 0.0 if greedy else cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
                     "top_k": cfg.rollout.top_k, "max_tokens": cfg.rollout.max_response_tokens,
                     "stop": list(cfg.rollout.stop), "stop_token_ids": self.manager.stop_token_ids()}
-        prompts = {i: self.manager.render_prompt(records[i].messages, self.tool_schemas)[-cfg.rollout.max_prompt_tokens:]
+        prompts = {i: fit_prompt(self.manager.render_prompt(records[i].messages, self.tool_schemas),
+                                 cfg.rollout.max_prompt_tokens, cfg.rollout.truncation, records[i].origin)
                    for i in sorted({row // n for row in mine})}
         run_tool = self.tool_pool.call if self.tool_pool is not None else None
 

@@ -5,12 +5,20 @@ from rlfactory_megatron.config import ConfigError, load_config, validate_against
 from rlfactory_megatron.models.hf_arch import arch_from_hf_config
 
 
-def test_defaults_yaml_and_overrides_merge_in_order(tmp_path):
+def test_a_config_file_starts_from_the_schema_and_overrides_come_last(tmp_path):
     yaml = tmp_path / "run.yaml"
-    yaml.write_text("actor:\n  optim:\n    lr: 3.0e-6\nparallel:\n  tp: 2\n")
+    yaml.write_text("model:\n  path: /models/m\nactor:\n  optim:\n    lr: 3.0e-6\nparallel:\n  tp: 2\n")
     cfg = load_config(yaml, ["parallel.tp=4", "rollout.stop=[</answer>]"])
     assert cfg.actor.optim.lr == 3e-6 and cfg.parallel.tp == 4 and list(cfg.rollout.stop) == ["</answer>"]
-    assert cfg.model.path == "tiny://qwen3"
+    # None of the embedded default's tiny-model settings (default.yaml): the schema's, for real models.
+    assert (cfg.trainer.sft_steps, cfg.rollout.temperature, cfg.trainer.sft_lr) == (0, 1.0, 1e-5)
+    assert (cfg.model.params_dtype, cfg.reward.scorer, cfg.rollout.max_num_seqs) == ("bfloat16", None, 1024)
+    embedded = load_config()
+    assert embedded.model.path == "tiny://qwen3" and embedded.trainer.sft_steps == 400
+    assert embedded.rollout.temperature == 0.7 and embedded.model.params_dtype == "float32"
+    yaml.write_text("actor:\n  optim:\n    lr: 3.0e-6\n")
+    with pytest.raises(ConfigError, match="model.path is required"):
+        load_config(yaml)
 
 
 @pytest.mark.parametrize("override,message", [
@@ -21,6 +29,8 @@ def test_defaults_yaml_and_overrides_merge_in_order(tmp_path):
     ("parallel.pp=0", "parallel.pp=0 must be >= 1"),
     ("parallel.vpp=2", "parallel.vpp=2 needs parallel.pp >= 2"),
     ("actor.optim.lr", "must look like key=value"),
+    ("rollout.truncation=middle", "rollout.truncation='middle' is not allowed; choose one of: error, left, right"),
+    ("rollout.max_num_seqs=0", "rollout.max_num_seqs=0 must be >= 1"),
 ])
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
@@ -56,11 +66,13 @@ def test_inconsistent_parallel_sizes_are_rejected(tp, pp, vpp, world, message):
 # Shapes of the real models (from their config.json), to check each example's layout fits them.
 REAL_SHAPES = {
     "qwen2_7b": dict(model_type="qwen2", num_hidden_layers=28, hidden_size=3584, intermediate_size=18944,
-                     num_attention_heads=28, num_key_value_heads=4, vocab_size=152064),  # Qwen2(.5)-7B
+                     num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                     max_position_embeddings=32768),  # Qwen2(.5)-7B
     "qwen3_8b": dict(model_type="qwen3", num_hidden_layers=36, hidden_size=4096, intermediate_size=12288,
-                     num_attention_heads=32, num_key_value_heads=8, vocab_size=151936),
+                     num_attention_heads=32, num_key_value_heads=8, vocab_size=151936, max_position_embeddings=40960),
     "llama3_1_8b": dict(model_type="llama", num_hidden_layers=32, hidden_size=4096, intermediate_size=14336,
-                        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256),
+                        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                        max_position_embeddings=131072),
 }
 
 
@@ -75,6 +87,8 @@ def test_example_cluster_configs_load_and_fit_their_models(name, model, world):
 
     cfg = load_config(Path(config_pkg.__file__).parent / "examples" / name)
     validate_against_model(cfg, arch_from_hf_config(REAL_SHAPES[model]), world)
+    # The run the file describes, not the embedded default's: no warm-start without demonstrations.
+    assert cfg.trainer.sft_steps == 0 and cfg.rollout.temperature == 1.0 and cfg.model.params_dtype == "bfloat16"
 
 
 def test_every_example_config_is_checked():
