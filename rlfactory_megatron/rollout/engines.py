@@ -240,10 +240,11 @@ class VLLMEngine:
         try:
             self._wait_for_load()
         finally:
+            kept = self._staging.end_of_sync() if self._staging is not None else []
             if self._updating:
                 self._updating = False
                 with unchecked():
-                    self.llm.collective_rpc(_finish_reload)
+                    self.llm.collective_rpc(_finish_reload, args=(kept,))
             if self._staging is not None:
                 self._staging.release()
         # Cached KV of prefixes was computed by the old weights.
@@ -326,9 +327,8 @@ def _reload_bucket(worker, bucket, first: bool) -> None:
     if isinstance(bucket, dict):  # staged by handle (rollout/handoff.py): this worker's copy
         from rlfactory_megatron.rollout.handoff import open_staged
 
-        if first:
-            worker.rlf_opened_buffers = {}
-        bucket = open_staged(bucket, get_tensor_model_parallel_rank(), worker.rlf_opened_buffers)
+        opened = worker.__dict__.setdefault("rlf_opened_buffers", {})
+        bucket = open_staged(bucket, get_tensor_model_parallel_rank(), opened)
     model = worker.model_runner.get_model()
     with set_current_vllm_config(worker.vllm_config):
         if first:
@@ -336,12 +336,15 @@ def _reload_bucket(worker, bucket, first: bool) -> None:
         model.load_weights(iter(bucket))
 
 
-def _finish_reload(worker) -> None:
-    """Runs inside vLLM's worker: ends the update begun by the first `_reload_bucket`."""
+def _finish_reload(worker, kept: list[str]) -> None:
+    """Runs inside vLLM's worker: ends the update begun by the first `_reload_bucket`, and unmaps
+    the staging buffers the sender does not keep for the next update (`kept`)."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-    worker.rlf_opened_buffers = {}  # the sender frees its staging buffers now
+    from rlfactory_megatron.rollout.handoff import keep_only
+
+    keep_only(worker.__dict__.setdefault("rlf_opened_buffers", {}), kept)
     model = worker.model_runner.get_model()
     with set_current_vllm_config(worker.vllm_config):
         finalize_layerwise_reload(model, worker.vllm_config.model_config)

@@ -4,7 +4,9 @@ A bucket is packed into one of two staging buffers that other processes can map
 (torch.multiprocessing's tensor sharing: CUDA IPC on a GPU, shared memory on the host, one
 code path); only a handle and the bucket's layout cross to the workers, which load the
 tensors straight from the buffer. A buffer is packed again only after the engine has loaded
-what it held, so at most two staged buckets are alive during a sync.
+what it held, so at most two staged buckets are alive during a sync. On a GPU the buffers are
+freed when the sync ends (device memory goes back to training); host buffers stay for the next
+sync, where fresh shared memory would cost a page fault per 4 KiB on both sides.
 """
 from __future__ import annotations
 
@@ -69,12 +71,13 @@ def open_shared(handle: bytes) -> torch.Tensor:
 
 
 class StagingBuffers:
-    """Two flat buffers per device, reused bucket after bucket within one sync.
+    """Two flat buffers per device, reused bucket after bucket (and, on the host, sync after sync).
 
     `devices[r]` is where worker r of the engine reads its copy: the sender's own device for a
     colocated engine, each worker's own device for an engine hosted in a process of its own (a
     worker then never maps another device's memory). Each buffer is shared once per worker; later
-    buckets in it name it by key only."""
+    buckets in it name it by key only, and every bucket lists the buffers still alive, so that a
+    worker unmaps the others."""
 
     _ids = itertools.count()
 
@@ -107,7 +110,15 @@ class StagingBuffers:
             first_time = (key, worker) not in self._shared
             self._shared.add((key, worker))
             workers.append({"key": key, "handle": share(self._slots[device, parity][1]) if first_time else None})
-        return {"layout": layout, "workers": workers}
+        return {"layout": layout, "workers": workers, "alive": self.alive()}
+
+    def alive(self) -> list[str]:
+        """The keys of the buffers held now."""
+        return [key for key, _ in self._slots.values()]
+
+    @property
+    def on_gpu(self) -> bool:
+        return any(device.type == "cuda" for device in self.devices)
 
     def _slot(self, device: torch.device, parity: int, size: int) -> tuple[str, torch.Tensor]:
         slot = self._slots.get((device, parity))
@@ -116,19 +127,30 @@ class StagingBuffers:
             slot = self._slots[device, parity] = (f"{os.getpid()}-{next(self._ids)}", buffer)
         return slot
 
+    def end_of_sync(self) -> list[str]:
+        """The keys of the buffers kept for the next sync; on a GPU none: they are freed once the
+        workers have unmapped them (call `release` after the update's finish)."""
+        return [] if self.on_gpu else self.alive()
+
     def release(self) -> None:
-        """Frees the buffers once the engine has finished the update (a GPU's go back to training)."""
-        on_gpu = any(buffer.is_cuda for _, buffer in self._slots.values())
-        self._slots.clear()
-        self._shared.clear()
-        if on_gpu:  # blocks a worker mapped stay reserved until collected
-            torch.cuda.ipc_collect()
+        """Frees a GPU's buffers (the workers have unmapped them: `end_of_sync` told them to)."""
+        if self.on_gpu:
+            self._slots.clear()
+            self._shared.clear()
+            torch.cuda.ipc_collect()  # blocks a worker mapped stay reserved until collected
 
 
 def open_staged(staged: dict, worker: int, opened: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
     """Worker side of `StagingBuffers.stage`: the bucket's tensors, views of the sender's buffer.
-    `opened` keeps the buffers this worker has mapped in the current update, by key."""
+    `opened` keeps the buffers this worker has mapped, by key."""
+    keep_only(opened, staged["alive"])
     entry = staged["workers"][worker]
     if entry["handle"] is not None:
         opened[entry["key"]] = open_shared(entry["handle"])
     return unpack(opened[entry["key"]], staged["layout"])
+
+
+def keep_only(opened: dict[str, torch.Tensor], alive: list[str]) -> None:
+    """Unmaps the buffers the sender no longer holds."""
+    for key in set(opened) - set(alive):
+        del opened[key]
