@@ -83,6 +83,10 @@ class _CutTransport:
     def __init__(self, transport, buckets: int):
         self.transport, self.left = transport, buckets
 
+    @property
+    def message_bytes(self):
+        return self.transport.message_bytes
+
     def expected_weights(self):
         return self.transport.expected_weights()
 
