@@ -118,7 +118,8 @@ class StagingBuffers:
 
     @property
     def on_gpu(self) -> bool:
-        return any(device.type == "cuda" for device in self.devices)
+        """Whether the buffers are device memory (under the device discipline a CPU's are not)."""
+        return any(buffer.is_cuda for _, buffer in self._slots.values())
 
     def _slot(self, device: torch.device, parity: int, size: int) -> tuple[str, torch.Tensor]:
         slot = self._slots.get((device, parity))
