@@ -324,7 +324,8 @@ def _reload_bucket(worker, bucket, first: bool) -> None:
     from vllm.distributed import get_tensor_model_parallel_rank
     from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-    if isinstance(bucket, dict):  # staged by handle (rollout/handoff.py): this worker's copy
+    staged = isinstance(bucket, dict)
+    if staged:  # staged by handle (rollout/handoff.py): this worker's copy
         from rlfactory_megatron.rollout.handoff import open_staged
 
         opened = worker.__dict__.setdefault("rlf_opened_buffers", {})
@@ -334,6 +335,22 @@ def _reload_bucket(worker, bucket, first: bool) -> None:
         if first:
             initialize_layerwise_reload(model)
         model.load_weights(iter(bucket))
+    if staged:
+        _copy_weights_layers_still_wait_for()
+
+
+def _copy_weights_layers_still_wait_for() -> None:
+    """The layerwise reload keeps the weights of a layer that has not received all of its own
+    (by reference) until the rest arrive. Staged ones are views of a buffer the next bucket but
+    one overwrites: such a layer gets copies. (Buckets hold whole fused groups, so for the
+    architectures served none waits: this costs nothing then.)"""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    for info in LAYERWISE_INFO.values():
+        for _, arguments in info.loaded_weights:
+            loaded = arguments.arguments.get("loaded_weight")
+            if isinstance(loaded, torch.Tensor) and loaded.is_shared():
+                arguments.arguments["loaded_weight"] = loaded.clone()
 
 
 def _finish_reload(worker, kept: list[str]) -> None:

@@ -51,3 +51,26 @@ def test_a_bucket_staged_here_is_read_in_another_process_from_two_reused_buffers
     kept = staging.end_of_sync()
     staging.release()
     assert kept == staging.alive() and len(kept) == 2
+
+
+def test_a_vllm_layer_still_waiting_for_weights_keeps_copies_not_views_of_a_staging_buffer():
+    # vLLM's layerwise reload holds a layer's weights by reference until all of them arrived; a
+    # staged bucket's are views of a buffer that the next bucket but one overwrites.
+    import inspect
+
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    from vllm.model_executor.model_loader.reload.types import LayerReloadingInfo
+
+    from rlfactory_megatron.rollout.engines import _copy_weights_layers_still_wait_for
+
+    staged = torch.arange(8, dtype=torch.float32).share_memory_()
+    layer = torch.nn.Linear(2, 2)
+    info = LAYERWISE_INFO[layer] = LayerReloadingInfo(restore_metadata=({}, {}), restore_device=torch.device("cpu"))
+    try:
+        info.loaded_weights.append(("weight", inspect.signature(lambda param, loaded_weight: None).bind(None, staged[2:6])))
+        _copy_weights_layers_still_wait_for()
+        kept = info.loaded_weights[0][1].arguments["loaded_weight"]
+        staged.fill_(-1)  # the buffer packed again
+        assert kept.tolist() == [2.0, 3.0, 4.0, 5.0]
+    finally:
+        del LAYERWISE_INFO[layer]
