@@ -28,23 +28,38 @@ def bucket_layout(named: list[tuple[str, torch.Tensor]]) -> dict:
             "nbytes": [t.numel() * t.element_size() for _, t in named]}
 
 
-def pack_into(buffer: torch.Tensor, named: list[tuple[str, torch.Tensor]]) -> int:
-    """Copies the bucket's tensors one after another into the uint8 `buffer`; returns the bytes used."""
-    offset = 0
-    for _, tensor in named:
-        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        buffer[offset:offset + flat.numel()].copy_(flat)
-        offset += flat.numel()
-    return offset
+# Each tensor starts at a multiple of this in the flat buffer: any dtype can view its bytes, and a
+# strided source (e.g. q, k, v cut from a fused QKV) is copied in once, not first made contiguous.
+_ALIGN = 16
+
+
+def _offsets(layout: dict) -> list[int]:
+    """Where each tensor of the layout starts in the flat buffer, and (last) the buffer's size."""
+    offsets = [0]
+    for nbytes in layout["nbytes"]:
+        offsets.append(offsets[-1] + (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN)
+    return offsets
+
+
+def packed_size(layout: dict) -> int:
+    return _offsets(layout)[-1]
+
+
+def _views(buffer: torch.Tensor, layout: dict) -> list[torch.Tensor]:
+    offsets = _offsets(layout)
+    return [buffer[start:start + nbytes].view(getattr(torch, dtype)).view(shape)
+            for start, nbytes, dtype, shape in zip(offsets, layout["nbytes"], layout["dtypes"], layout["shapes"])]
+
+
+def pack_into(buffer: torch.Tensor, named: list[tuple[str, torch.Tensor]], layout: dict) -> None:
+    """Copies the bucket's tensors (of `layout`) into the uint8 `buffer`, of at least `packed_size` bytes."""
+    for view, (_, tensor) in zip(_views(buffer, layout), named):
+        view.copy_(tensor.detach())
 
 
 def unpack(buffer: torch.Tensor, layout: dict) -> list[tuple[str, torch.Tensor]]:
     """The bucket's (name, tensor) pairs as views of the flat uint8 `buffer` (no copy)."""
-    named, offset = [], 0
-    for name, dtype, shape, nbytes in zip(layout["names"], layout["dtypes"], layout["shapes"], layout["nbytes"]):
-        named.append((name, buffer[offset:offset + nbytes].view(getattr(torch, dtype)).reshape(shape)))
-        offset += nbytes
-    return named
+    return list(zip(layout["names"], _views(buffer, layout)))
 
 
 def share(tensor: torch.Tensor) -> bytes:
@@ -92,14 +107,14 @@ class StagingBuffers:
         (`open_staged` rebuilds it). The caller must know that the engine has loaded the bucket
         staged two calls ago: its buffer is overwritten here."""
         layout = bucket_layout(named)
-        size = sum(layout["nbytes"])
+        size = packed_size(layout)
         parity, self._parity = self._parity, 1 - self._parity
         packed: dict[torch.device, str] = {}
         source = None
         for device in dict.fromkeys(self.devices):
             key, buffer = self._slot(device, parity, size)
             if source is None:
-                pack_into(buffer, named)
+                pack_into(buffer, named, layout)
                 source = buffer
             else:  # a device-to-device copy of the first device's packed bytes
                 buffer[:size].copy_(source[:size])

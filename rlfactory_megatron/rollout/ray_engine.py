@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from rlfactory_megatron.rollout.engines import Generation, SamplingConfig, VLLMEngine
-from rlfactory_megatron.rollout.handoff import bucket_layout, pack_into, unpack
+from rlfactory_megatron.rollout.handoff import bucket_layout, pack_into, packed_size, unpack
 from rlfactory_megatron.rollout.weight_sync import TRANSPORTS, EngineLostError, Transport
 
 
@@ -107,7 +107,7 @@ class VLLMEngineHost:
     def receive_bucket(self, layout: dict) -> int:
         """Receives one bucket and loads it; returns the bytes of the messages that carried it on
         to the engine's workers (none when they live in this process)."""
-        buffer = torch.empty(sum(layout["nbytes"]), dtype=torch.uint8, device=self.device)
+        buffer = torch.empty(packed_size(layout), dtype=torch.uint8, device=self.device)
         _broadcast_from_sender(self.group, buffer)
         sent = self.engine.message_bytes
         self.engine.load_weights(unpack(buffer, layout))
@@ -205,8 +205,8 @@ class BroadcastTransport(Transport):
 
     def send(self, bucket):
         layout = bucket_layout(bucket)
-        flat = torch.empty(sum(layout["nbytes"]), dtype=torch.uint8, device=self.device)
-        pack_into(flat, bucket)
+        flat = torch.empty(packed_size(layout), dtype=torch.uint8, device=self.device)
+        pack_into(flat, bucket, layout)
         received = [engine.actor.receive_bucket.remote(layout) for engine in self.engines]
         try:
             _broadcast_from_sender(self.group, flat)
