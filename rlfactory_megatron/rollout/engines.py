@@ -337,6 +337,8 @@ def _reload_bucket(worker, bucket, first: bool) -> None:
         model.load_weights(iter(bucket))
     if staged:
         _copy_weights_layers_still_wait_for()
+        if torch.cuda.is_available():  # done reading the buffer before the sender may pack it again
+            torch.cuda.synchronize()
 
 
 def _copy_weights_layers_still_wait_for() -> None:

@@ -67,7 +67,7 @@ def share(tensor: torch.Tensor) -> bytes:
     bytes, whatever the tensor's size). On a GPU it names the device by UUID: the receiving
     process may number its visible devices differently."""
     if tensor.is_cuda:
-        rebuild, args = reduce_tensor(tensor)
+        _, args = reduce_tensor(tensor)
         return pickle.dumps(("cuda", str(torch.cuda.get_device_properties(tensor.device).uuid), args))
     buffer = io.BytesIO()
     ForkingPickler(buffer, pickle.HIGHEST_PROTOCOL).dump(("host", None, tensor))
@@ -119,6 +119,9 @@ class StagingBuffers:
             else:  # a device-to-device copy of the first device's packed bytes
                 buffer[:size].copy_(source[:size])
             packed[device] = key
+        if source.is_cuda:  # the workers read it from other processes: the copies must be done
+            for device in packed:
+                torch.cuda.synchronize(device)
         workers = []
         for worker, device in enumerate(self.devices):
             key = packed[device]
