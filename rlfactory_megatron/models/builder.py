@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from rlfactory_megatron.models.hf_arch import ModelArch, rope_inv_freq
-from rlfactory_megatron.runtime.cpu_compat import cuda_available
+from rlfactory_megatron.runtime.cpu_compat import compute_device, cuda_available
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -193,7 +193,6 @@ def build_model_chunks(arch: ModelArch, options: BuildOptions = BuildOptions()) 
             model.output_layer = ValueHead(arch.hidden_size, config.params_dtype, config.init_method_std)
         elif options.output_hidden_states and post:
             model.output_layer = HiddenStatesOutput(model.output_layer)
-        if cuda_available():
-            model.cuda(torch.cuda.current_device())
+        model.to(compute_device())
         chunks.append(model)
     return chunks

@@ -3,16 +3,18 @@
 Weights travel over one process group of their own: the sending training rank and every
 engine actor (gloo on CPU, NCCL on GPU), one broadcast per bucket however many engines there
 are. Each bucket is one flat byte buffer; its layout (names, dtypes, shapes) goes with the Ray
-call that receives it.
+call that receives it. An engine with TP workers hands the received bucket on to them by handle.
 """
 from __future__ import annotations
 
+import pickle
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from rlfactory_megatron.rollout.engines import Generation, SamplingConfig, VLLMEngine
+from rlfactory_megatron.rollout.handoff import bucket_layout, pack_into, packed_size, unpack
 from rlfactory_megatron.rollout.weight_sync import TRANSPORTS, EngineLostError, Transport
 
 
@@ -35,12 +37,6 @@ def _broadcast_from_sender(group, tensor: torch.Tensor) -> None:
     group.broadcast([tensor], opts).wait()
 
 
-def _layout(named: list[tuple[str, torch.Tensor]]) -> dict:
-    return {"names": [n for n, _ in named], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named],
-            "shapes": [list(t.shape) for _, t in named],
-            "nbytes": [t.numel() * t.element_size() for _, t in named]}
-
-
 class VLLMEngineHost:
     """The body of the Ray actor: one VLLMEngine plus the receiving end of the weight group.
 
@@ -51,10 +47,13 @@ class VLLMEngineHost:
     `interrupt`s the requests under way first (they go on as new requests on the new weights)."""
 
     def __init__(self, hf_dir: str, **engine_kwargs) -> None:
-        self.engine = VLLMEngine(hf_dir, in_process=True, **engine_kwargs)
+        self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        # TP workers each read the bucket on their own device (the actor's devices, in order).
+        workers = [torch.device("cuda", r) for r in range(engine_kwargs.get("tensor_parallel_size", 1))]
+        self.engine = VLLMEngine(hf_dir, in_process=True, **engine_kwargs,
+                                 staging_devices=workers if self.device.type == "cuda" else None)
         self.front = None  # the StreamingEngine, made by the first stream or interrupt
         self.group = None
-        self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seeds=None) -> list[list[Generation]]:
         return self.engine.generate(prompts, sampling, seeds)
@@ -106,14 +105,13 @@ class VLLMEngineHost:
         return True
 
     def receive_bucket(self, layout: dict) -> int:
-        buffer = torch.empty(sum(layout["nbytes"]), dtype=torch.uint8, device=self.device)
+        """Receives one bucket and loads it; returns the bytes of the messages that carried it on
+        to the engine's workers (none when they live in this process)."""
+        buffer = torch.empty(packed_size(layout), dtype=torch.uint8, device=self.device)
         _broadcast_from_sender(self.group, buffer)
-        named, offset = [], 0
-        for name, dtype, shape, nbytes in zip(layout["names"], layout["dtypes"], layout["shapes"], layout["nbytes"]):
-            named.append((name, buffer[offset : offset + nbytes].view(getattr(torch, dtype)).reshape(shape)))
-            offset += nbytes
-        self.engine.load_weights(named)
-        return offset
+        sent = self.engine.message_bytes
+        self.engine.load_weights(unpack(buffer, layout))
+        return self.engine.message_bytes - sent
 
     def finish_weight_update(self) -> None:
         self.engine.finish_weight_update()
@@ -206,12 +204,13 @@ class BroadcastTransport(Transport):
         return names[0]
 
     def send(self, bucket):
-        flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket]).to(self.device)
-        layout = _layout(bucket)
+        layout = bucket_layout(bucket)
+        flat = torch.empty(packed_size(layout), dtype=torch.uint8, device=self.device)
+        pack_into(flat, bucket, layout)
         received = [engine.actor.receive_bucket.remote(layout) for engine in self.engines]
         try:
             _broadcast_from_sender(self.group, flat)
-            self._ray.get(received)
+            self.message_bytes += len(self.engines) * len(pickle.dumps(layout)) + sum(self._ray.get(received))
         except Exception as exc:  # noqa: BLE001 - sorted out below
             self._raise_lost(received, exc)
 

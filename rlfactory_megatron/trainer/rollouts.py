@@ -277,6 +277,7 @@ class RolloutPlane:
         self.rollout_store = self.artifacts = None
         self.tool_schemas: list[dict] | None = None
         self._asleep: set[str] = set()  # the engine memory (ENGINE_MEMORY tags) its sleep gave up
+        self._last_sync = None  # SyncStats of the last weight sync this rank sent
         # The ranks of each DP rank (all of its TP and PP ranks train on the same rows).
         from megatron.core import parallel_state
 
@@ -639,8 +640,8 @@ class RolloutPlane:
                     except Exception as exc:  # noqa: BLE001 - reraised on every rank below
                         failure = exc
                 try:
-                    sync_weights(actor_engine, self.transport, self.cfg.weight_sync.bucket_mb, version=version,
-                                 refusal=None if failure is None else _refusal(failure))
+                    self._last_sync = sync_weights(actor_engine, self.transport, self.cfg.weight_sync.bucket_mb,
+                                                   version=version, refusal=None if failure is None else _refusal(failure))
                     break
                 except WeightSyncError as exc:
                     raise exc from failure
@@ -657,6 +658,14 @@ class RolloutPlane:
                 # A sync cut short leaves the engines serving (layers of both versions): the version
                 # stays the last complete one.
                 self._run(self.router.resume(self.transport.served_version))
+
+    def sync_metrics(self) -> dict[str, float]:
+        """The last sync's model bytes and the bytes of the engine calls that carried them (on a
+        rank that sent one: the weights go by handle or broadcast, so these stay small)."""
+        stats = self._last_sync
+        if stats is None:
+            return {}
+        return {"weight_sync/bytes": float(stats.bytes), "weight_sync/message_bytes": float(stats.message_bytes)}
 
     def _replace_failed_engines(self) -> None:
         """A fresh actor for each engine that died (its requests already ran elsewhere), and a

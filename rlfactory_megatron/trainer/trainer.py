@@ -158,6 +158,7 @@ class Trainer:
         tokens = float(sum(r.tokens for r in rollouts.summaries))
         step_time = sum(timings.values())
         metrics.update(timings)
+        metrics.update(self.plane.sync_metrics())
         metrics.update(reward.metrics())
         metrics.update(rollouts.stats())
         metrics.update(correction_metrics)

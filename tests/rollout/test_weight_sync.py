@@ -32,6 +32,10 @@ def test_vllm_log_probs_equal_actor_log_probs_after_each_sync(tiny_hf_dirs, tp, 
     assert sync["buckets"] > 10 and sync["max_bucket_bytes"] <= max(0.1 * 2**20, 512 * 128 * 4)
     # One layerwise reload per sync: vLLM's per-call reload warned for every layer missing from each bucket.
     assert report["reload_warnings"] == [], report["reload_warnings"]
+    if tp * pp > 1:  # the engine core runs in a process of its own: the buckets reach it by handle
+        assert 0 < sync["message_bytes"] < 0.01 * sync["bytes"], sync
+    else:  # in this process: the tensors themselves, no message
+        assert sync["message_bytes"] == 0
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -103,13 +107,21 @@ def test_a_sender_that_cannot_sync_stops_every_rank_with_its_reason(tiny_hf_dirs
     assert results[0]["transport_calls"] == [] and results[0]["served_version"] == 0
 
 
-def test_broadcast_transport_into_a_vllm_engine_in_a_ray_actor(tiny_hf_dirs, ray_session):
+def test_broadcast_transport_into_a_vllm_engine_in_a_ray_actor_whose_tp_workers_take_the_bucket_by_handle(
+        tiny_hf_dirs, ray_session):
+    # Issue 41 item 8: the engine actor (rollout.tp=2) passed the received bucket to its two TP
+    # workers as tensors through vLLM's message queue (on a GPU: CUDA tensors, rebuilt by every
+    # worker on device 0); it hands them a handle to a staged copy on each worker's device instead.
     address = ray_session.get_runtime_context().gcs_address
-    results = spawn_local_workers(rollout_workers.sync_worker, 2, tiny_hf_dirs["qwen3"], 2, 1, 0.5, 1, False, address)
+    results = spawn_local_workers(rollout_workers.sync_worker, 2, tiny_hf_dirs["qwen3"], 2, 1, 0.5, 1, False, address,
+                                  1.0, None, 2)
     report = results[0]
     assert report["max_diff"][0] <= 1e-3 and report["max_diff"][1] <= 1e-3, report
     assert report["mean_engine_lp"][0] != report["mean_engine_lp"][1]
-    assert report["sync"][0]["buckets"] >= 5
+    sync = report["sync"][0]
+    assert sync["buckets"] >= 5
+    # The layouts (to the actor, with the broadcast) and the handles (to its workers) only.
+    assert 0 < sync["message_bytes"] < 0.01 * sync["bytes"], sync
 
 
 def test_a_broken_broadcast_names_the_engines_lost_and_the_others_end_their_update(ray_session):
