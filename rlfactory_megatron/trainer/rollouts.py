@@ -362,7 +362,8 @@ class RolloutPlane:
             if have < wanted:  # the actors would wait for devices that never come
                 raise ValueError(f"rollout.num_engines={self.cfg.rollout.num_engines} x rollout.tp={self.cfg.rollout.tp} "
                                  f"engine GPUs, but the Ray cluster has {have:g} besides the training ranks'; lower "
-                                 "rollout.num_engines or give the job more GPUs")
+                                 "rollout.num_engines or give the job more GPUs (slurm/train.sbatch gives Ray the "
+                                 "GPUs of each node that its RLF_GPUS_PER_NODE ranks leave)")
         auth = {}
         if os.environ.get("RAY_AUTH_MODE") == "token":
             token = os.environ.get("RAY_AUTH_TOKEN")
