@@ -8,7 +8,9 @@ from typing import Any, Optional
 @dataclass
 class ModelConfig:
     path: str = "tiny://qwen3"  # HF folder, or tiny://<llama|qwen2|qwen3> for a locally built tiny model
-    params_dtype: str = "float32"  # float32 | bfloat16 | float16
+    # auto: bfloat16 with Transformer-Engine layers (TE's attention has no float32 kernel for the
+    # actor's packed sequences), float32 otherwise | float32 | bfloat16 | float16
+    params_dtype: str = "auto"
     layer_spec: str = "auto"  # auto (TE on GPU, local_sdpa on CPU) | local_sdpa | local | transformer_engine
     recompute_activations: bool = False  # recompute each layer's activations in the backward pass (memory for time)
 

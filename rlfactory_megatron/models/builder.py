@@ -46,6 +46,22 @@ def resolve_layer_spec(choice: str) -> str:
     return choice
 
 
+def resolve_params_dtype(dtype: str, layer_spec: str) -> str:
+    """`model.params_dtype` for the layer spec the model is built with: `auto` is bfloat16 with
+    Transformer-Engine layers and float32 elsewhere. The actor feeds TE packed (THD) sequences,
+    for which TE's attention has no float32 kernel (flash and fused attention take 16-bit inputs
+    only, the unfused one no THD): float32 there would fail at the first forward, so it is refused."""
+    transformer_engine = (resolve_layer_spec(layer_spec) if layer_spec == "auto" else layer_spec) == "transformer_engine"
+    if dtype == "auto":
+        return "bfloat16" if transformer_engine else "float32"
+    if transformer_engine and dtype == "float32":
+        where = " (model.layer_spec=auto picks it on a GPU with Transformer-Engine)" if layer_spec == "auto" else ""
+        raise ValueError(f"model.params_dtype=float32 cannot train with model.layer_spec=transformer_engine{where}: "
+                         "TE's attention has no float32 kernel for packed sequences; set model.params_dtype=bfloat16 "
+                         "(or auto), or model.layer_spec=local_sdpa")
+    return dtype
+
+
 def transformer_config(arch: ModelArch, options: BuildOptions):
     from megatron.core import parallel_state
     from megatron.core.transformer import TransformerConfig

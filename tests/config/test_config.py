@@ -130,3 +130,31 @@ def test_engine_layouts_that_do_not_fit_the_world_are_rejected(overrides, world,
 def test_engine_transport_and_mode_come_from_their_registries(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(overrides=override.split())
+
+
+@pytest.fixture
+def pretend_gpu_with_te(monkeypatch):
+    """What the layer-spec choice sees on a GPU machine with Transformer-Engine installed (the
+    CUDA and TE checks patched: neither exists here)."""
+    from rlfactory_megatron.models import builder
+
+    monkeypatch.setattr(builder, "cuda_available", lambda: True)
+    monkeypatch.setattr(builder, "_transformer_engine_available", lambda: True)
+
+
+def test_item1_defaults_on_a_gpu_train_in_bfloat16_and_float32_with_te_is_refused_at_load(pretend_gpu_with_te):
+    # TE's attention has no float32 kernel for the actor's packed (THD) sequences: the default
+    # (layer_spec=auto -> TE on a GPU) must come with a 16-bit dtype, and float32 is refused.
+    cfg = load_config()
+    assert (cfg.model.layer_spec, cfg.model.params_dtype) == ("auto", "bfloat16")
+    for overrides in (["model.params_dtype=float32"],
+                      ["model.params_dtype=float32", "model.layer_spec=transformer_engine"]):
+        with pytest.raises(ConfigError, match=r"model.params_dtype=float32 cannot train with "
+                                              r"model.layer_spec=transformer_engine.*set model.params_dtype=bfloat16"):
+            load_config(overrides=overrides)
+    assert load_config(overrides=["model.layer_spec=local_sdpa"]).model.params_dtype == "float32"
+
+
+def test_item1_params_dtype_auto_is_float32_on_cpu():
+    assert load_config().model.params_dtype == "float32"
+    assert load_config(overrides=["model.params_dtype=bfloat16"]).model.params_dtype == "bfloat16"
