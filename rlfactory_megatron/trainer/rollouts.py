@@ -826,15 +826,13 @@ def _engine_gpus_only(local_cluster: bool):
 
 @contextlib.contextmanager
 def _engine_devices(layout: EngineLayout):
-    """On GPU, the engine's processes see the devices of its group's ranks (local ranks
-    rank..rank+rollout_tp-1 of this node); on CPU nothing changes."""
+    """On GPU, the engine's processes see the devices of its group's ranks; on CPU nothing changes."""
     if not torch.cuda.is_available():
         yield
         return
-    local = int(os.environ.get("LOCAL_RANK", layout.rank))
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    devices = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices[local:local + layout.rollout_tp])
+    os.environ["CUDA_VISIBLE_DEVICES"] = engine_visible_devices(visible, torch.cuda.device_count(),
+                                                                torch.cuda.current_device(), layout.rollout_tp)
     try:
         yield
     finally:
@@ -842,3 +840,20 @@ def _engine_devices(layout: EngineLayout):
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = visible
+
+
+def engine_visible_devices(visible: str | None, device_count: int, device: int, rollout_tp: int) -> str:
+    """CUDA_VISIBLE_DEVICES of a colocated engine owned by the rank on `device` (its index among
+    the `visible` ones, as init_distributed set it from the launcher's local rank): that device and
+    the next rollout_tp - 1, those of the group's other ranks (a node's ranks are numbered in
+    order). Not LOCAL_RANK, which srun and mpirun do not set, nor the global rank, which is past
+    the node's devices on a second node; with one GPU per task (srun --gpus-per-task=1) a group
+    of several ranks has no devices in common, and is refused."""
+    devices = visible.split(",") if visible else [str(index) for index in range(device_count)]
+    group = devices[device:device + rollout_tp]
+    if len(group) < rollout_tp:
+        raise ValueError(f"rollout.tp={rollout_tp}: a colocated engine runs on the devices of its {rollout_tp} ranks, "
+                         f"but this rank (device {device}) sees only {len(devices)} GPU(s) ({','.join(devices)}), "
+                         "as with one GPU per task (srun --gpus-per-task=1); give every task its node's GPUs "
+                         "(--gpus-per-node), or set rollout.tp=1")
+    return ",".join(group)
