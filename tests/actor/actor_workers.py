@@ -139,12 +139,13 @@ def sft_worker(hf_dir: str, temperature: float) -> dict:
         destroy_distributed()
 
 
-def critic_worker(hf_dir: str, tp: int, pp: int) -> dict:
+def critic_worker(hf_dir: str, tp: int, pp: int, sequence_parallel: bool = False) -> dict:
     init_distributed(ParallelSizes(tp, pp), seed=7)
     try:
         cfg = actor_config(**{"critic.optim.lr": 1e-4})
         arch = load_arch(hf_dir)
-        critic = Critic(cfg.critic, cfg.actor, arch, hf_dir, BuildOptions(), total_steps=10)
+        critic = Critic(cfg.critic, cfg.actor, arch, hf_dir, BuildOptions(sequence_parallel=sequence_parallel),
+                        total_steps=10)
         batch = make_batch(arch.vocab_size)
         values = critic.compute_values(batch)
         returns = torch.randn(batch.input_ids.shape, generator=torch.Generator().manual_seed(3))

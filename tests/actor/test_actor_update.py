@@ -170,3 +170,14 @@ def test_non_finite_update_is_skipped_on_every_rank(tiny_hf_dirs, poison, tp, pp
         assert out["skipped"] == 1 and out["unchanged"] and out["in_a_row"] == 1 and out["lr_kept"]
         assert out["taken"] == 0 and out["moved"] > 1e-5 and out["reset"] == 0
         assert "non-finite weights found before the weight sync" in out["refused"] or "another rank" in out["refused"]
+
+
+def test_item5_critic_with_sequence_parallel_gives_the_values_and_update_it_gives_without(tiny_hf_dirs):
+    # With sequence parallelism the last layer's hidden states are split along the sequence across
+    # the TP group: the value head must see the whole sequence, as megatron's output layer does.
+    plain = spawn_local_workers(actor_workers.critic_worker, 2, tiny_hf_dirs["llama"], 2, 1, False)
+    split = spawn_local_workers(actor_workers.critic_worker, 2, tiny_hf_dirs["llama"], 2, 1, True)
+    for a, b in zip(plain, split):
+        assert torch.allclose(b["values"], a["values"], atol=1e-6)
+        assert b["metrics"]["critic/vf_loss"] == pytest.approx(a["metrics"]["critic/vf_loss"], abs=1e-6)
+        assert torch.allclose(b["after"], a["after"], atol=1e-5)  # the same update
