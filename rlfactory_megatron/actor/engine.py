@@ -63,6 +63,9 @@ class MegatronEngine:
         config = self.chunks[0].config
         config.finalize_model_grads_func = finalize_model_grads
         self.optimizer = _build_optimizer(self.chunks, optim_cfg, distributed_optimizer)
+        # As megatron's training loop sets it: the schedule scales each loss by the optimizer's
+        # loss scale before backward (1 but in fp16, whose optimizer unscales the gradients by it).
+        config.grad_scale_func = self.optimizer.scale_loss
         self.scheduler = _build_scheduler(self.optimizer, optim_cfg, total_steps)
 
     # ------------------------------------------------------------------ running micro-batches
@@ -88,7 +91,7 @@ class MegatronEngine:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = self.run(plan, loss_fn, forward_only=False)
-        if not self._finite_everywhere(outputs):
+        if not self._finite_everywhere(outputs, gradients=not self.chunks[0].config.fp16):
             # One NaN reward or overflow would otherwise go into Adam's moments and every weight:
             # nothing of this mini-batch is applied, and the LR schedule does not advance.
             self.skipped_in_a_row += 1
@@ -110,11 +113,12 @@ class MegatronEngine:
             "step_time_s": time.perf_counter() - start,
         }
 
-    def _finite_everywhere(self, outputs: list[dict[str, Any]]) -> bool:
-        """Whether every rank's gradients (after the DP all-reduce) and losses are finite: one
-        collective flag, so that all ranks skip a step together or take it together."""
+    def _finite_everywhere(self, outputs: list[dict[str, Any]], gradients: bool = True) -> bool:
+        """Whether every rank's losses and (with `gradients`) gradients after the DP all-reduce are
+        finite: one collective flag, so that all ranks skip a step together or take it together.
+        Under a loss scale (fp16) overflowing gradients are the grad scaler's to skip and back off from."""
         bad = torch.zeros((), device=compute_device())
-        for chunk in self.chunks:
+        for chunk in self.chunks if gradients else ():
             for buffer in chunk.buffers:
                 bad += (~torch.isfinite(buffer.grad_data)).any()
         for out in outputs:
@@ -219,6 +223,9 @@ def _build_optimizer(chunks, optim_cfg, distributed_optimizer: bool):
         clip_grad=optim_cfg.clip_grad,
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
+        # fp16's dynamic loss scale starts where torch.amp's GradScaler does: megatron's 2**32 would
+        # overflow and skip the first ~17 optimizer steps of a run while it backs off.
+        initial_loss_scale=2.0**16,
         params_dtype=params_dtype,
         use_distributed_optimizer=distributed_optimizer,
     )

@@ -220,3 +220,25 @@ def dp_local_update_worker(hf_dir: str, mini_batch_size: int) -> dict:
                 "rows": mine, "old_log_probs": old["log_probs"]}
     finally:
         destroy_distributed()
+
+
+def loss_scale_worker(hf_dir: str) -> dict:
+    """One update of the same actor in float32 and in float16 (megatron's fp16 optimizer with its
+    dynamic loss scale): grad norm, loss scale and how far the weights moved, per dtype."""
+    init_distributed(ParallelSizes(1, 1), seed=7)
+    try:
+        cfg = actor_config(**{"actor.kl_loss_coef": 0.0})
+        arch = load_arch(hf_dir)
+        out = {}
+        for dtype in ("float32", "float16"):
+            actor = Actor(cfg.actor, arch, hf_dir, BuildOptions(params_dtype=dtype), total_steps=10)
+            batch = make_batch(arch.vocab_size)
+            before = {k: v.float() for k, v in actor.engine.iter_hf_weights()}
+            old = actor.compute_log_probs(batch)["log_probs"]
+            metrics = actor.update(batch.with_fields(old_log_probs=old - 0.05))
+            moved = max((v.float() - before[k]).abs().max().item() for k, v in actor.engine.iter_hf_weights())
+            out[dtype] = {"grad_norm": metrics["actor/grad_norm"], "skipped": metrics["actor/skipped_steps"],
+                          "loss_scale": float(actor.engine.optimizer.get_loss_scale()), "moved": moved}
+        return out
+    finally:
+        destroy_distributed()

@@ -181,3 +181,14 @@ def test_item5_critic_with_sequence_parallel_gives_the_values_and_update_it_give
         assert torch.allclose(b["values"], a["values"], atol=1e-6)
         assert b["metrics"]["critic/vf_loss"] == pytest.approx(a["metrics"]["critic/vf_loss"], abs=1e-6)
         assert torch.allclose(b["after"], a["after"], atol=1e-5)  # the same update
+
+
+def test_item6_fp16_scales_the_loss_and_updates_as_float32_does(tiny_hf_dirs):
+    # megatron's fp16 optimizer divides the gradients by its loss scale: the loss must have been
+    # multiplied by it (config.grad_scale_func), or every update shrinks by the scale (2**32 in megatron).
+    out = spawn_local_workers(actor_workers.loss_scale_worker, 1, tiny_hf_dirs["qwen3"])[0]
+    fp32, fp16 = out["float32"], out["float16"]
+    assert fp16["skipped"] == 0 and fp32["grad_norm"] > 1.0
+    assert fp16["grad_norm"] == pytest.approx(fp32["grad_norm"], rel=1e-3)
+    assert fp16["moved"] == pytest.approx(fp32["moved"], rel=0.05)
+    assert fp16["loss_scale"] == 2.0**16 and fp32["loss_scale"] == 1.0  # torch.amp's start, not megatron's 2**32
