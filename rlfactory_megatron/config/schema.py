@@ -34,7 +34,9 @@ class OptimConfig:
     clip_grad: float = 1.0  # global gradient-norm clip (0: none)
     warmup_steps: int = 0  # optimizer steps of linear warm-up from 0 to lr
     lr_decay_style: str = "constant"  # constant | linear | cosine
-    use_distributed_optimizer: bool = True  # megatron's ZeRO-1 optimizer sharding across DP on GPU (gloo cannot reduce-scatter: off on CPU)
+    # megatron's distributed optimizer: Adam's state sharded across DP ranks (ZeRO-1), on GPU and on
+    # CPU (gloo); its checkpoint resumes at another DP size, not another tp/pp
+    use_distributed_optimizer: bool = True
 
 
 @dataclass

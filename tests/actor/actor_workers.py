@@ -60,8 +60,10 @@ def update_worker(hf_dir: str, tp: int, pp: int, overrides: dict, perturb_masked
             actor.engine.save(checkpoint)
             metrics = actor.update(batch)
         weights = dict(actor.engine.iter_hf_weights())
+        optimizers = getattr(actor.engine.optimizer, "chained_optimizers", [actor.engine.optimizer])
         return {"metrics": metrics, "weights": weights if torch.distributed.get_rank() == 0 else None,
-                "old_log_probs": old["log_probs"], "entropy": old["entropy"]}
+                "old_log_probs": old["log_probs"], "entropy": old["entropy"],
+                "optimizer": type(optimizers[0]).__name__}
     finally:
         destroy_distributed()
 
