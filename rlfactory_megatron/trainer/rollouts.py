@@ -682,6 +682,7 @@ class RolloutPlane:
             self.router.revive(index, serving(self.pool[index]))
         if failed:  # the group of the sender and every engine, the new ones included
             served = self.transport.served_version
+            self.transport.close()  # its NCCL communicator, on this rank and the surviving engines
             self.transport = self._pool_transport()
             self.transport.served_version = served
 
@@ -749,6 +750,8 @@ class RolloutPlane:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._loop_thread.join(timeout=30)
         self.reward_pool.shutdown()
+        if self.transport is not None:
+            self.transport.close()
         for engine in [self.engine, *self.pool]:
             if engine is not None:
                 engine.close()
