@@ -119,7 +119,8 @@ class MegatronEngine:
         bad = torch.zeros((), device=compute_device())
         for chunk in self.chunks if gradients else ():
             for buffer in chunk.buffers:
-                bad += (~torch.isfinite(buffer.grad_data)).any()
+                # min and max in one pass, without a boolean copy of the buffer (NaN propagates to both)
+                bad += (~torch.isfinite(torch.stack(torch.aminmax(buffer.grad_data)))).any()
         for out in outputs:
             for value in out.values():
                 if isinstance(value, torch.Tensor) and value.is_floating_point():

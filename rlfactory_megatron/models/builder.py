@@ -1,6 +1,7 @@
 """Build megatron-core GPTModel chunks for this rank from a ModelArch (policy LM or critic value head)."""
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,23 @@ def resolve_params_dtype(dtype: str, layer_spec: str) -> str:
     return dtype
 
 
+def fusions(layer_spec: str, on_gpu: bool) -> dict[str, bool]:
+    """megatron's fused kernels where they run (each computes the function its unfused path does):
+    on a GPU the fused SwiGLU (megatron's jit kernel) and, with apex's extension, weight gradients
+    accumulated inside their GEMMs (megatron refuses that without apex); with Transformer-Engine
+    layers TE's fused RoPE, which takes packed sequences' offsets on the device (megatron's unfused
+    THD RoPE reads them with .tolist(): two host syncs per layer and per recompute). The masked
+    softmax fusion serves megatron's own attention only (TE's has its own) and needs apex's
+    kernels, the persistent layer norm is apex's LayerNorm (these models use RMSNorm): both off."""
+    return {
+        "bias_activation_fusion": on_gpu,
+        "gradient_accumulation_fusion": on_gpu and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None,
+        "apply_rope_fusion": layer_spec == "transformer_engine",
+        "masked_softmax_fusion": False,
+        "persist_layer_norm": False,
+    }
+
+
 def transformer_config(arch: ModelArch, options: BuildOptions):
     from megatron.core import parallel_state
     from megatron.core.transformer import TransformerConfig
@@ -93,12 +111,7 @@ def transformer_config(arch: ModelArch, options: BuildOptions):
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         use_cpu_initialization=not on_gpu,
-        # Fusions are CUDA kernels; the unfused paths compute the same function.
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
+        **fusions(resolve_layer_spec(options.layer_spec), on_gpu),
         # gloo cannot batch isend/irecv safely for the interleaved schedule (silently wrong).
         batch_p2p_comm=on_gpu,
         # As megatron's own training sets it: a stage frees its output activations once sent, and
