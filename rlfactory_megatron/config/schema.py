@@ -8,8 +8,8 @@ from typing import Any, Optional
 @dataclass
 class ModelConfig:
     path: str = "tiny://qwen3"  # HF folder, or tiny://<llama|qwen2|qwen3> for a locally built tiny model
-    # auto: bfloat16 with Transformer-Engine layers (TE's attention has no float32 kernel for the
-    # actor's packed sequences), float32 otherwise | float32 | bfloat16 | float16
+    # auto | float32 | bfloat16 | float16; auto: bfloat16 with Transformer-Engine layers (TE's
+    # attention has no float32 kernel for the actor's packed sequences), float32 otherwise
     params_dtype: str = "auto"
     layer_spec: str = "auto"  # auto (TE on GPU, local_sdpa on CPU) | local_sdpa | local | transformer_engine
     recompute_activations: bool = False  # recompute each layer's activations in the backward pass (memory for time)
@@ -94,6 +94,10 @@ class RolloutConfig:
     max_response_tokens: int = 256  # token budget of a whole trajectory after the prompt (all turns and observations)
     stop: list[str] = field(default_factory=list)  # extra stop strings (the tool format's end-of-turn ids always stop)
     tp: int = 1  # tensor-parallel size of each engine
+    # Same samples at any scale on GPU too: vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT,
+    # compute capability >= 8.0), so that a seeded sample does not depend on the requests batched
+    # with it, at a cost in generation speed. CPU engines are batch-invariant as built.
+    batch_invariant: bool = False
     # vLLM's memory share; on CPU the KV cache is what max_num_seqs full-length sequences need,
     # at most this share of host memory
     gpu_memory_utilization: float = 0.5

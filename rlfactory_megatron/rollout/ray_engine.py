@@ -118,8 +118,13 @@ class VLLMEngineHost:
         return True
 
     def receive_bucket(self, layout: dict) -> int:
+        from vllm.utils.nccl import unpinned_nccl_env
+
         buffer = torch.empty(sum(layout["nbytes"]), dtype=torch.uint8, device=self.device)
-        _broadcast_from_sender(self.group, buffer)
+        # NCCL makes its communicator at the first broadcast, from the environment then: without the
+        # NCCL settings vLLM's batch-invariant mode pins for its own, which the sender does not have.
+        with unpinned_nccl_env():
+            _broadcast_from_sender(self.group, buffer)
         named, offset = [], 0
         for name, dtype, shape, nbytes in zip(layout["names"], layout["dtypes"], layout["shapes"], layout["nbytes"]):
             named.append((name, buffer[offset : offset + nbytes].view(getattr(torch, dtype)).reshape(shape)))

@@ -390,7 +390,8 @@ class RolloutPlane:
         cfg = self.cfg
         engine_args = dict(dtype=cfg.model.params_dtype, tensor_parallel_size=cfg.rollout.tp,
                            max_model_len=cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens,
-                           memory_utilization=cfg.rollout.gpu_memory_utilization, seed=cfg.trainer.seed)
+                           memory_utilization=cfg.rollout.gpu_memory_utilization, seed=cfg.trainer.seed,
+                           batch_invariant=cfg.rollout.batch_invariant)
         if self.disaggregated:
             if not ray.is_initialized():
                 ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
