@@ -214,7 +214,7 @@ class MegatronEngine:
             with torch.no_grad():
                 self.optimizer.load_state_dict(state["optimizer"])
             if self.distributed_optimizer:
-                _own_adam_steps(self.optimizer)
+                _steps_from_param_groups(self.optimizer)
             self.scheduler.load_state_dict(state["scheduler"])
 
 
@@ -267,12 +267,17 @@ def _allocate_torch_adam_state(optimizer) -> None:
             group["lr"] = rate
 
 
-def _own_adam_steps(optimizer) -> None:
-    """Megatron's distributed optimizer loads one `step` tensor into every parameter's torch Adam
-    state, which Adam's foreach update then increments once per parameter: each gets its own."""
+def _steps_from_param_groups(optimizer) -> None:
+    """torch Adam's per-parameter step count after megatron's distributed optimizer loaded it: the
+    checkpoint keeps it in the param groups (`step`), and megatron restores it into one tensor shared
+    by every parameter (which Adam's foreach update then increments once per parameter) and then
+    overwrites that with the allocated state's count: each parameter gets its own, the saved one."""
     for adam in _torch_adams(optimizer):
-        for state in adam.state.values():
-            state["step"] = state["step"].clone()
+        for group in adam.param_groups:
+            for param in group["params"]:
+                state = adam.state[param]
+                state["step"] = torch.tensor(float(group["step"]), dtype=state["step"].dtype,
+                                             device=state["step"].device)
 
 
 def _build_scheduler(optimizer, optim_cfg, total_steps: int):

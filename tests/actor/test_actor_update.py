@@ -133,9 +133,11 @@ def test_save_load_then_next_update_is_bit_identical(tiny_hf_dirs, tmp_path):
 def test_item10_distributed_optimizer_runs_on_gloo_and_resumes_exactly(reference, tiny_hf_dirs, tmp_path):
     # actor.optim.use_distributed_optimizer (on by default) shards Adam's state across DP ranks
     # (reduce-scatter and all-gather on gloo); its checkpoint resumes bit-identically.
-    ckpt = str(tmp_path / "ckpt")
-    uninterrupted = run(tiny_hf_dirs["qwen3"], dp=2, checkpoint=ckpt)  # update, save, update
-    resumed = run(tiny_hf_dirs["qwen3"], dp=2, resume_from=ckpt)  # fresh processes: load, update
+    # Two optimizer steps per update: a step count of 2 to restore (torch Adam's is a tensor per
+    # parameter, which megatron's load left at that of a fresh state).
+    ckpt, steps = str(tmp_path / "ckpt"), {"actor.mini_batch_size": 3}
+    uninterrupted = run(tiny_hf_dirs["qwen3"], dp=2, overrides=steps, checkpoint=ckpt)  # update, save, update
+    resumed = run(tiny_hf_dirs["qwen3"], dp=2, overrides=steps, resume_from=ckpt)  # fresh processes: load, update
     assert {r["optimizer"] for r in uninterrupted + resumed} == {"DistributedOptimizer"}
     for name, tensor in uninterrupted[0]["weights"].items():
         assert torch.equal(tensor, resumed[0]["weights"][name]), name
