@@ -372,6 +372,119 @@ def engine_level2_sleep_wakes_weights_then_kv_cache_and_serves_the_synced_weight
     return f"level-2 sleep freed {freed:.2f} GiB; woken and synced, engine vs actor max |diff| {worst:.1e}"
 
 
+# ---------------------------------------------------------------- issue 41: GPU paths a CPU cannot run
+
+
+def _issue41_batch(vocab: int):
+    """Six rows of different lengths, loss on all but the first 4 tokens: packed as THD sequences."""
+    import torch
+
+    from rlfactory_megatron.actor.batch import RolloutBatch
+
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([12 + 7 * i for i in range(6)])
+    ids = torch.randint(0, vocab, (6, int(lengths.max())), generator=gen)
+    mask = torch.zeros(ids.shape)
+    for row, n in enumerate(lengths.tolist()):
+        mask[row, 4:n] = 1
+    return RolloutBatch(ids, lengths, mask, advantages=torch.randn(ids.shape, generator=gen))
+
+
+def _issue41_actor(ctx, *overrides: str):
+    from rlfactory_megatron.actor.actor import Actor
+    from rlfactory_megatron.config import load_config
+    from rlfactory_megatron.models.builder import BuildOptions
+    from rlfactory_megatron.models.hf_arch import load_arch
+
+    cfg = load_config(overrides=["actor.optim.lr=1e-3", "actor.max_tokens_per_microbatch=256", *overrides])
+    build = BuildOptions(params_dtype=cfg.model.params_dtype, layer_spec=cfg.model.layer_spec)
+    return cfg, Actor(cfg.actor, load_arch(ctx.hf_dir), ctx.hf_dir, build, total_steps=4)
+
+
+@check
+def te_bfloat16_packed_update_from_the_defaults(ctx):
+    """The defaults on a GPU (item 1): TE layers in bfloat16 (auto) take packed THD sequences through
+    TE's attention, with TE's fused RoPE (item 11); log-probs near float32's, a finite update."""
+    cfg, actor = _issue41_actor(ctx)
+    config = actor.engine.modules()[0].config
+    assert cfg.model.params_dtype == "bfloat16" and actor.engine.thd_attention, cfg.model
+    assert config.apply_rope_fusion and config.bias_activation_fusion, "fusions off on GPU"
+    _, reference = _issue41_actor(ctx, "model.params_dtype=float32", "model.layer_spec=local_sdpa")
+    batch = _issue41_batch(actor.engine.arch.vocab_size)
+    mine = actor.compute_log_probs(batch)["log_probs"].float().cpu()
+    theirs = reference.compute_log_probs(batch)["log_probs"].float().cpu()
+    diff = (mine - theirs)[batch.loss_mask > 0].abs().max().item()
+    assert diff < 0.1, f"TE bfloat16 vs float32 log-probs differ by {diff}"
+    metrics = actor.update(batch.with_fields(old_log_probs=mine))
+    assert metrics["actor/skipped_steps"] == 0 and 0 < metrics["actor/grad_norm"] < float("inf"), metrics
+    return f"bfloat16 TE vs float32 log-probs max |diff| {diff:.1e}; grad norm {metrics['actor/grad_norm']:.3f}"
+
+
+@check
+def fp16_update_scales_its_loss(ctx):
+    """fp16 (item 6) on TE layers: the loss is scaled by megatron's dynamic scale, so its grad norm
+    is bfloat16's, not 2**16 times smaller."""
+    grad_norms = {}
+    for dtype in ("bfloat16", "float16"):
+        _, actor = _issue41_actor(ctx, f"model.params_dtype={dtype}")
+        batch = _issue41_batch(actor.engine.arch.vocab_size)
+        old = actor.compute_log_probs(batch)["log_probs"]
+        metrics = actor.update(batch.with_fields(old_log_probs=old - 0.05))
+        grad_norms[dtype] = metrics["actor/grad_norm"]
+        scale = float(actor.engine.optimizer.get_loss_scale())
+    ratio = grad_norms["float16"] / grad_norms["bfloat16"]
+    assert 0.9 < ratio < 1.1 and scale > 1, (grad_norms, scale)
+    return f"grad norm fp16 / bf16 = {ratio:.3f}; loss scale {scale:g}"
+
+
+@check
+def distributed_optimizer_checkpoint_resumes_exactly(ctx):
+    """The distributed optimizer (item 10) with TE's FusedAdam (the CPU suite runs torch's Adam):
+    update, save, update equals load, update."""
+    with tempfile.TemporaryDirectory() as directory:
+        weights = []
+        for resume in (False, True):
+            _, actor = _issue41_actor(ctx)
+            assert actor.engine.distributed_optimizer
+            batch = _issue41_batch(actor.engine.arch.vocab_size)
+            batch = batch.with_fields(old_log_probs=actor.compute_log_probs(batch)["log_probs"] - 0.05)
+            if resume:
+                actor.engine.load(directory)
+            else:
+                actor.update(batch)
+                actor.engine.save(directory)
+            actor.update(batch)
+            weights.append({name: t.float().cpu() for name, t in actor.engine.iter_hf_weights()})
+    worst = max((weights[0][name] - weights[1][name]).abs().max().item() for name in weights[0])
+    assert worst == 0.0, f"resumed weights differ by {worst}"
+    return "bit-identical after resume"
+
+
+@check
+def batch_invariant_engines_sample_alike(ctx):
+    """rollout.batch_invariant (item 7): two engines with vLLM's batch-invariant kernels draw the
+    same seeded sample for a prompt alone and for it among other prompts of other lengths."""
+    from rlfactory_megatron.rollout.engines import SamplingConfig, VLLMEngine
+
+    prompt = [5, 17, 42, 7, 99, 3]
+    others = [[11 + i] * (3 + 5 * i) for i in range(7)]
+    sampling = SamplingConfig(max_tokens=48, temperature=1.0)
+    before = os.environ.get("VLLM_BATCH_INVARIANT")
+    engines = [VLLMEngine(ctx.hf_dir, dtype="bfloat16", max_model_len=256, memory_utilization=0.15, in_process=False,
+                          batch_invariant=True) for _ in range(2)]
+    try:
+        alone = engines[0].generate([prompt], sampling, seeds=[1234])[0][0].token_ids
+        batched = engines[1].generate(others[:3] + [prompt] + others[3:], sampling,
+                                      seeds=[7] * 3 + [1234] + [7] * 4)[3][0].token_ids
+    finally:
+        for engine in engines:
+            engine.close()
+        if before is None:
+            os.environ.pop("VLLM_BATCH_INVARIANT", None)
+    assert alone == batched, f"alone {alone}\nbatched {batched}"
+    return f"the same {len(alone)} tokens alone (engine 0) and 4th of 8 (engine 1)"
+
+
 class Context:
     def __init__(self, root: str, gpu: bool) -> None:
         import torch

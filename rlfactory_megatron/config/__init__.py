@@ -12,7 +12,7 @@ from rlfactory_megatron.config.schema import RLFConfig
 DEFAULT_CONFIG = Path(__file__).with_name("default.yaml")
 # Closed sets of values that no registry holds, checked with a message that lists the allowed ones.
 CHOICES: dict[str, tuple] = {
-    "model.params_dtype": ("float32", "bfloat16", "float16"),
+    "model.params_dtype": ("auto", "float32", "bfloat16", "float16"),
     "model.layer_spec": ("auto", "local_sdpa", "local", "transformer_engine"),
     "actor.optim.lr_decay_style": ("constant", "linear", "cosine"),
     "critic.optim.lr_decay_style": ("constant", "linear", "cosine"),
@@ -74,6 +74,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     except OmegaConfBaseException as exc:
         raise ConfigError(_explain(exc)) from None
     validate_static(cfg)
+    _resolve_params_dtype(cfg)
     return cfg
 
 
@@ -84,6 +85,7 @@ def config_from_yaml(text: str) -> RLFConfig:
     except OmegaConfBaseException as exc:
         raise ConfigError(_explain(exc)) from None
     validate_static(cfg)
+    _resolve_params_dtype(cfg)
     return cfg
 
 
@@ -190,6 +192,17 @@ def _check_memory_keys(cfg) -> None:
     if cfg.critic.offload and not trains_critic(cfg):
         raise ConfigError(f"critic.offload=true, and trainer.algorithm={cfg.trainer.algorithm} trains no critic "
                           "(critic.enable=false); set critic.offload=false")
+
+
+def _resolve_params_dtype(cfg) -> None:
+    """`model.params_dtype=auto` made concrete for the layer spec on this machine, once, so that
+    the model, the engines and the saved config all see the same dtype."""
+    from rlfactory_megatron.models.builder import resolve_params_dtype
+
+    try:
+        cfg.model.params_dtype = resolve_params_dtype(cfg.model.params_dtype, cfg.model.layer_spec)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _check_ranges(cfg) -> None:

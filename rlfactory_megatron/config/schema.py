@@ -12,7 +12,9 @@ class ModelConfig:
     # HF folder, or tiny://<llama|qwen2|qwen3> for a locally built tiny model; required (the
     # embedded default, a run without --config, uses tiny://qwen3)
     path: str = MISSING
-    params_dtype: str = "bfloat16"  # bfloat16 | float32 | float16 (the embedded default: float32, what CPU runs use)
+    # auto | float32 | bfloat16 | float16; auto: bfloat16 with Transformer-Engine layers (TE's
+    # attention has no float32 kernel for the actor's packed sequences), float32 otherwise
+    params_dtype: str = "auto"
     layer_spec: str = "auto"  # auto (TE on GPU, local_sdpa on CPU) | local_sdpa | local | transformer_engine
     recompute_activations: bool = False  # recompute each layer's activations in the backward pass (memory for time)
 
@@ -40,7 +42,9 @@ class OptimConfig:
     clip_grad: float = 1.0  # global gradient-norm clip (0: none)
     warmup_steps: int = 0  # optimizer steps of linear warm-up from 0 to lr
     lr_decay_style: str = "constant"  # constant | linear | cosine
-    use_distributed_optimizer: bool = True  # megatron's ZeRO-1 optimizer sharding across DP on GPU (gloo cannot reduce-scatter: off on CPU)
+    # megatron's distributed optimizer: Adam's state sharded across DP ranks (ZeRO-1), on GPU and on
+    # CPU (gloo); its checkpoint resumes at another DP size, not another tp/pp
+    use_distributed_optimizer: bool = True
 
 
 @dataclass
@@ -111,6 +115,10 @@ class RolloutConfig:
     # requests each engine runs at once (vLLM's max_num_seqs; 1024 as verl); on CPU it also sizes
     # the KV cache below
     max_num_seqs: int = 1024
+    # Same samples at any scale on GPU too: vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT,
+    # compute capability >= 8.0), so that a seeded sample does not depend on the requests batched
+    # with it, at a cost in generation speed. CPU engines are batch-invariant as built.
+    batch_invariant: bool = False
     # vLLM's memory share; on CPU the KV cache is what max_num_seqs full-length sequences need,
     # at most this share of host memory
     gpu_memory_utilization: float = 0.5

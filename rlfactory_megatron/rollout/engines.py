@@ -95,7 +95,7 @@ class VLLMEngine:
     def __init__(self, hf_dir: str, dtype: str = "float32", tensor_parallel_size: int = 1,
                  max_model_len: int = 1024, max_num_seqs: int = 64, memory_utilization: float = 0.1,
                  seed: int = 0, enable_sleep_mode: bool = False, in_process: bool | None = None,
-                 staging_devices: list[torch.device] | None = None) -> None:
+                 staging_devices: list[torch.device] | None = None, batch_invariant: bool = False) -> None:
         import torch.distributed as dist
 
         if in_process is None:
@@ -105,6 +105,11 @@ class VLLMEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
         # The weight loaders reach the workers as pickled functions (collective_rpc).
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        if batch_invariant and torch.cuda.is_available():
+            # vLLM's batch-invariant mode (rollout.batch_invariant; CPU engines are invariant as
+            # built). Set before vLLM is imported: some of its modules read it at import. It holds
+            # for this process, whose torch kernels vLLM replaces (an in-process engine's trainer too).
+            os.environ["VLLM_BATCH_INVARIANT"] = "1"
         from vllm import LLM
 
         from rlfactory_megatron.models.hf_checkpoint import HFCheckpointReader

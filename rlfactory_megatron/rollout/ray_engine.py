@@ -31,6 +31,15 @@ def _weight_group(host: str, port: int, rank: int, size: int, backend: str, time
     return dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout_s))
 
 
+def _leave(group) -> None:
+    """This member's end of a weight group: aborted, which frees an NCCL communicator's device
+    memory and channels at once (a shutdown would wait for members that may be gone)."""
+    try:
+        group.abort()
+    except Exception:  # noqa: BLE001 - a group broken (or aborted) already is left all the same
+        pass
+
+
 def _broadcast_from_sender(group, tensor: torch.Tensor) -> None:
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
@@ -101,14 +110,22 @@ class VLLMEngineHost:
         return self.engine.weight_names()
 
     def join_weight_group(self, host: str, port: int, rank: int, size: int, backend: str, timeout_s: float) -> bool:
+        """Joins a new group of the sender and the engines (after a replacement: the old one is left)."""
+        if self.group is not None:
+            _leave(self.group)
         self.group = _weight_group(host, port, rank, size, backend, timeout_s)
         return True
 
     def receive_bucket(self, layout: dict) -> int:
         """Receives one bucket and loads it; returns the bytes of the messages that carried it on
         to the engine's workers (none when they live in this process)."""
+        from vllm.utils.nccl import unpinned_nccl_env
+
         buffer = torch.empty(packed_size(layout), dtype=torch.uint8, device=self.device)
-        _broadcast_from_sender(self.group, buffer)
+        # NCCL makes its communicator at the first broadcast, from the environment then: without the
+        # NCCL settings vLLM's batch-invariant mode pins for its own, which the sender does not have.
+        with unpinned_nccl_env():
+            _broadcast_from_sender(self.group, buffer)
         sent = self.engine.message_bytes
         self.engine.load_weights(unpack(buffer, layout))
         return self.engine.message_bytes - sent
@@ -119,6 +136,8 @@ class VLLMEngineHost:
     async def close(self) -> None:
         if self.front is not None:
             await self.front.close()
+        if self.group is not None:
+            _leave(self.group)
         self.engine.close()
 
 
@@ -222,6 +241,11 @@ class BroadcastTransport(Transport):
             # No broadcast in a finish: a live engine's call ends, however long its loader takes.
             self._raise_lost(finished, exc, in_broadcast=False)
 
+    def close(self) -> None:
+        """Leaves the group (the engines leave theirs as they join the next, or close)."""
+        _leave(self.group)
+        self._store = None
+
     def _raise_lost(self, calls: list, exc: Exception, in_broadcast: bool = True) -> None:
         """An engine that died takes the group with it: the others' calls end with an error, or
         wait in the broken broadcast (gloo until its timeout, NCCL for good). Engines whose call
@@ -251,10 +275,7 @@ class BroadcastTransport(Transport):
         if not lost:
             raise exc
         if in_broadcast and self.backend == "nccl":
-            try:
-                self.group.abort()  # frees this rank's stream from the broadcast that never ends
-            except Exception:  # noqa: BLE001 - the group is dropped either way
-                pass
+            _leave(self.group)  # frees this rank's stream from the broadcast that never ends
             whys += [f"engine {index}: in the broken NCCL broadcast" for index in range(len(self.engines))
                      if index not in lost]
             lost = list(range(len(self.engines)))

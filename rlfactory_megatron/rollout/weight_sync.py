@@ -110,6 +110,9 @@ class Transport:
 
     def finish(self) -> None: ...
 
+    def close(self) -> None:
+        """Frees what the transport holds (a process group); it is not used after."""
+
 
 TRANSPORTS: Registry[Callable[..., Transport]] = Registry("weight-sync transport")
 

@@ -366,7 +366,8 @@ class RolloutPlane:
             if have < wanted:  # the actors would wait for devices that never come
                 raise ValueError(f"rollout.num_engines={self.cfg.rollout.num_engines} x rollout.tp={self.cfg.rollout.tp} "
                                  f"engine GPUs, but the Ray cluster has {have:g} besides the training ranks'; lower "
-                                 "rollout.num_engines or give the job more GPUs")
+                                 "rollout.num_engines or give the job more GPUs (slurm/train.sbatch gives Ray the "
+                                 "GPUs of each node that its RLF_GPUS_PER_NODE ranks leave)")
         auth = {}
         if os.environ.get("RAY_AUTH_MODE") == "token":
             token = os.environ.get("RAY_AUTH_TOKEN")
@@ -394,7 +395,7 @@ class RolloutPlane:
         engine_args = dict(dtype=cfg.model.params_dtype, tensor_parallel_size=cfg.rollout.tp,
                            max_model_len=cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens,
                            max_num_seqs=cfg.rollout.max_num_seqs, memory_utilization=cfg.rollout.gpu_memory_utilization,
-                           seed=cfg.trainer.seed)
+                           seed=cfg.trainer.seed, batch_invariant=cfg.rollout.batch_invariant)
         if self.disaggregated:
             if not ray.is_initialized():
                 ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
@@ -694,6 +695,7 @@ class RolloutPlane:
             self.router.revive(index, serving(self.pool[index]))
         if failed:  # the group of the sender and every engine, the new ones included
             served = self.transport.served_version
+            self.transport.close()  # its NCCL communicator, on this rank and the surviving engines
             self.transport = self._pool_transport()
             self.transport.served_version = served
 
@@ -766,6 +768,8 @@ class RolloutPlane:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._loop_thread.join(timeout=30)
         self.reward_pool.shutdown()
+        if self.transport is not None:
+            self.transport.close()
         for engine in [self.engine, *self.pool]:
             if engine is not None:
                 engine.close()
@@ -843,15 +847,13 @@ def _engine_gpus_only(local_cluster: bool):
 
 @contextlib.contextmanager
 def _engine_devices(layout: EngineLayout):
-    """On GPU, the engine's processes see the devices of its group's ranks (local ranks
-    rank..rank+rollout_tp-1 of this node); on CPU nothing changes."""
+    """On GPU, the engine's processes see the devices of its group's ranks; on CPU nothing changes."""
     if not torch.cuda.is_available():
         yield
         return
-    local = int(os.environ.get("LOCAL_RANK", layout.rank))
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    devices = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices[local:local + layout.rollout_tp])
+    os.environ["CUDA_VISIBLE_DEVICES"] = engine_visible_devices(visible, torch.cuda.device_count(),
+                                                                torch.cuda.current_device(), layout.rollout_tp)
     try:
         yield
     finally:
@@ -859,3 +861,20 @@ def _engine_devices(layout: EngineLayout):
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = visible
+
+
+def engine_visible_devices(visible: str | None, device_count: int, device: int, rollout_tp: int) -> str:
+    """CUDA_VISIBLE_DEVICES of a colocated engine owned by the rank on `device` (its index among
+    the `visible` ones, as init_distributed set it from the launcher's local rank): that device and
+    the next rollout_tp - 1, those of the group's other ranks (a node's ranks are numbered in
+    order). Not LOCAL_RANK, which srun and mpirun do not set, nor the global rank, which is past
+    the node's devices on a second node; with one GPU per task (srun --gpus-per-task=1) a group
+    of several ranks has no devices in common, and is refused."""
+    devices = visible.split(",") if visible else [str(index) for index in range(device_count)]
+    group = devices[device:device + rollout_tp]
+    if len(group) < rollout_tp:
+        raise ValueError(f"rollout.tp={rollout_tp}: a colocated engine runs on the devices of its {rollout_tp} ranks, "
+                         f"but this rank (device {device}) sees only {len(devices)} GPU(s) ({','.join(devices)}), "
+                         "as with one GPU per task (srun --gpus-per-task=1); give every task its node's GPUs "
+                         "(--gpus-per-node), or set rollout.tp=1")
+    return ",".join(group)

@@ -12,7 +12,8 @@ def test_a_config_file_starts_from_the_schema_and_overrides_come_last(tmp_path):
     assert cfg.actor.optim.lr == 3e-6 and cfg.parallel.tp == 4 and list(cfg.rollout.stop) == ["</answer>"]
     # None of the embedded default's tiny-model settings (default.yaml): the schema's, for real models.
     assert (cfg.trainer.sft_steps, cfg.rollout.temperature, cfg.trainer.sft_lr) == (0, 1.0, 1e-5)
-    assert (cfg.model.params_dtype, cfg.reward.scorer, cfg.rollout.max_num_seqs) == ("bfloat16", None, 1024)
+    # params_dtype auto: float32 on this machine (no GPU), bfloat16 with TE layers on one
+    assert (cfg.model.params_dtype, cfg.reward.scorer, cfg.rollout.max_num_seqs) == ("float32", None, 1024)
     embedded = load_config()
     assert embedded.model.path == "tiny://qwen3" and embedded.trainer.sft_steps == 400
     assert embedded.rollout.temperature == 0.7 and embedded.model.params_dtype == "float32"
@@ -158,3 +159,31 @@ def test_wandb_settings_without_a_project_are_refused(override):
     with pytest.raises(ConfigError, match=f"logging.wandb_{override.split('_')[1].split('=')[0]} set without "
                                           "logging.wandb_project"):
         load_config(overrides=[override])
+
+
+@pytest.fixture
+def pretend_gpu_with_te(monkeypatch):
+    """What the layer-spec choice sees on a GPU machine with Transformer-Engine installed (the
+    CUDA and TE checks patched: neither exists here)."""
+    from rlfactory_megatron.models import builder
+
+    monkeypatch.setattr(builder, "cuda_available", lambda: True)
+    monkeypatch.setattr(builder, "_transformer_engine_available", lambda: True)
+
+
+def test_item1_defaults_on_a_gpu_train_in_bfloat16_and_float32_with_te_is_refused_at_load(pretend_gpu_with_te):
+    # TE's attention has no float32 kernel for the actor's packed (THD) sequences: the default
+    # (layer_spec=auto -> TE on a GPU) must come with a 16-bit dtype, and float32 is refused.
+    cfg = load_config()
+    assert (cfg.model.layer_spec, cfg.model.params_dtype) == ("auto", "bfloat16")
+    for overrides in (["model.params_dtype=float32"],
+                      ["model.params_dtype=float32", "model.layer_spec=transformer_engine"]):
+        with pytest.raises(ConfigError, match=r"model.params_dtype=float32 cannot train with "
+                                              r"model.layer_spec=transformer_engine.*set model.params_dtype=bfloat16"):
+            load_config(overrides=overrides)
+    assert load_config(overrides=["model.layer_spec=local_sdpa"]).model.params_dtype == "float32"
+
+
+def test_item1_params_dtype_auto_is_float32_on_cpu():
+    assert load_config().model.params_dtype == "float32"
+    assert load_config(overrides=["model.params_dtype=bfloat16"]).model.params_dtype == "bfloat16"

@@ -178,6 +178,75 @@ def test_a_broken_broadcast_names_the_engines_lost_and_the_others_end_their_upda
             ray.kill(actor)
 
 
+class AbortRecordingGroup:
+    """Stand-in at the NCCL boundary (no NCCL on CPU): a real gloo weight group that records
+    whether its member aborted it, which for NCCL frees the communicator's memory and channels."""
+
+    def __init__(self, group) -> None:
+        self.group, self.aborted = group, False
+
+    def abort(self) -> None:
+        self.aborted = True
+        self.group.abort()
+
+    def __getattr__(self, name):
+        return getattr(self.group, name)
+
+
+def test_item9_a_replaced_engines_weight_group_is_aborted_by_the_sender_and_the_survivors(ray_session, monkeypatch):
+    import ray
+
+    from rlfactory_megatron.rollout import ray_engine
+
+    class WeightGroupHost(ray_engine.VLLMEngineHost):
+        """The engine actor's weight-group side as is, with a stand-in for vLLM that keeps what it loads."""
+
+        def __init__(self) -> None:
+            self.front = self.group = None
+            self.device = torch.device("cpu")
+            self.engine = SimpleNamespace(loaded=[], finish_weight_update=lambda: None)
+            self.engine.load_weights = lambda named: self.engine.loaded.append(named[0][1].tolist())
+            self.groups = []
+            join = ray_engine._weight_group
+
+            def recorded(*args, **kwargs):
+                self.groups.append(AbortRecordingGroup(join(*args, **kwargs)))
+                return self.groups[-1]
+
+            ray_engine._weight_group = recorded  # in this actor's process
+
+        def aborted(self) -> list[bool]:
+            return [group.aborted for group in self.groups]
+
+        def loaded(self) -> list:
+            return self.engine.loaded
+
+    sender_groups = []
+    join = ray_engine._weight_group
+    monkeypatch.setattr(ray_engine, "_weight_group",
+                        lambda *args, **kwargs: sender_groups.append(AbortRecordingGroup(join(*args, **kwargs)))
+                        or sender_groups[-1])
+    hosts = [ray.remote(num_cpus=0)(WeightGroupHost).remote() for _ in range(3)]
+    engines = [SimpleNamespace(actor=host, _ray=ray) for host in hosts]
+    try:
+        first = ray_engine.BroadcastTransport(engines[:2])
+        first.send([("w", torch.ones(4))])
+        ray.kill(hosts[1])  # engine 1 died; engine 2 replaces it, in a new group with the sender and engine 0
+        first.close()
+        second = ray_engine.BroadcastTransport([engines[0], engines[2]])
+        second.send([("w", torch.full((4,), 2.0))])
+        assert [group.aborted for group in sender_groups] == [True, False]
+        assert ray.get(hosts[0].aborted.remote()) == [True, False]  # the survivor left the old group
+        assert ray.get(hosts[2].aborted.remote()) == [False]
+        assert ray.get(hosts[0].loaded.remote()) == [[1.0] * 4, [2.0] * 4]
+        assert ray.get(hosts[2].loaded.remote()) == [[2.0] * 4]
+        second.close()
+        assert sender_groups[1].aborted
+    finally:
+        for host in hosts:
+            ray.kill(host)
+
+
 def test_a_sync_between_two_decode_steps_cuts_a_request_and_its_later_tokens_are_the_new_weights(tiny_hf_dirs):
     # Partial rollout: the router interrupts the engine mid-decode, the actor's update streams in,
     # the request goes on. Its tokens carry the version that generated them, and the engine's

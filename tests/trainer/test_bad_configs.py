@@ -98,6 +98,8 @@ CASES = [
     (["reward.timeout_s=0"], "reward.timeout_s=0.0 must be > 0"),
     (["trainer.save_every=-1"], "trainer.save_every=-1 must be >= 0"),
     (["trainer.task=chess"], "trainer.task='chess' is not a built-in task"),
+    (["model.params_dtype=float32", "model.layer_spec=transformer_engine"],
+     "model.params_dtype=float32 cannot train with model.layer_spec=transformer_engine"),
     (["parallel.tp=3"], "parallel.tp=3 does not divide the model's"),
     (["parallel.vpp=2"], "parallel.vpp=2 needs parallel.pp >= 2"),
     (["parallel.tp=two"], "invalid value for config key 'parallel.tp'"),
