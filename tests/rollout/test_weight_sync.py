@@ -204,7 +204,7 @@ def test_item9_a_replaced_engines_weight_group_is_aborted_by_the_sender_and_the_
         def __init__(self) -> None:
             self.front = self.group = None
             self.device = torch.device("cpu")
-            self.engine = SimpleNamespace(loaded=[], finish_weight_update=lambda: None)
+            self.engine = SimpleNamespace(loaded=[], finish_weight_update=lambda: None, message_bytes=0)
             self.engine.load_weights = lambda named: self.engine.loaded.append(named[0][1].tolist())
             self.groups = []
             join = ray_engine._weight_group
