@@ -87,7 +87,11 @@ def main(argv: list[str] | None = None) -> int:
         # Before the config is loaded: checking it imports torch. Started by hand, this process
         # is the one rank (revised below for the ranks it spawns when tp*pp > 1).
         chosen = choose_threads(launch.local_world_size if launch.launcher != "single" else 1)
-        cfg = load_config(args.config, args.overrides)
+        # A plan is for the GPUs the job will run on: on a machine without one (a login node),
+        # `auto` is resolved as a GPU node with the GPU stack resolves it.
+        from rlfactory_megatron.runtime.cpu_compat import cuda_available
+
+        cfg = load_config(args.config, args.overrides, for_gpu=args.plan and not cuda_available())
         _, implied = apply_preset(cfg)  # written into config.yaml, so every rank and a resume see them
         if implied and launch.rank == 0:
             print(f"rlf-train: {cfg.trainer.algorithm} implies {', '.join(implied)}")

@@ -55,10 +55,11 @@ class ConfigError(ValueError):
     """A configuration key is unknown, mistyped or inconsistent; the message names it."""
 
 
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RLFConfig:
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), for_gpu: bool = False) -> RLFConfig:
     """Schema <- the YAML at `path` (or, without one, default.yaml: the embedded default's
     tiny-model run) <- dotted `key=value` overrides, then validated. A file starts from the
-    schema's defaults, never from the embedded default's."""
+    schema's defaults, never from the embedded default's. `for_gpu`: `auto` settings as a GPU
+    node resolves them, on any machine (`rlf-train --plan` on a login node)."""
     try:
         cfg = OmegaConf.structured(RLFConfig)
         if path is not None:
@@ -74,7 +75,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     except OmegaConfBaseException as exc:
         raise ConfigError(_explain(exc)) from None
     validate_static(cfg)
-    _resolve_params_dtype(cfg)
+    _resolve_params_dtype(cfg, for_gpu)
     return cfg
 
 
@@ -194,13 +195,13 @@ def _check_memory_keys(cfg) -> None:
                           "(critic.enable=false); set critic.offload=false")
 
 
-def _resolve_params_dtype(cfg) -> None:
+def _resolve_params_dtype(cfg, for_gpu: bool = False) -> None:
     """`model.params_dtype=auto` made concrete for the layer spec on this machine, once, so that
     the model, the engines and the saved config all see the same dtype."""
     from rlfactory_megatron.models.builder import resolve_params_dtype
 
     try:
-        cfg.model.params_dtype = resolve_params_dtype(cfg.model.params_dtype, cfg.model.layer_spec)
+        cfg.model.params_dtype = resolve_params_dtype(cfg.model.params_dtype, cfg.model.layer_spec, for_gpu)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 

@@ -47,12 +47,15 @@ def resolve_layer_spec(choice: str) -> str:
     return choice
 
 
-def resolve_params_dtype(dtype: str, layer_spec: str) -> str:
+def resolve_params_dtype(dtype: str, layer_spec: str, for_gpu: bool = False) -> str:
     """`model.params_dtype` for the layer spec the model is built with: `auto` is bfloat16 with
     Transformer-Engine layers and float32 elsewhere. The actor feeds TE packed (THD) sequences,
     for which TE's attention has no float32 kernel (flash and fused attention take 16-bit inputs
-    only, the unfused one no THD): float32 there would fail at the first forward, so it is refused."""
-    transformer_engine = (resolve_layer_spec(layer_spec) if layer_spec == "auto" else layer_spec) == "transformer_engine"
+    only, the unfused one no THD): float32 there would fail at the first forward, so it is refused.
+    `for_gpu`: as a GPU node with the GPU stack resolves it (TE layers for `auto`), wherever this runs."""
+    if layer_spec == "auto":
+        layer_spec = "transformer_engine" if for_gpu else resolve_layer_spec(layer_spec)
+    transformer_engine = layer_spec == "transformer_engine"
     if dtype == "auto":
         return "bfloat16" if transformer_engine else "float32"
     if transformer_engine and dtype == "float32":
