@@ -4,7 +4,9 @@ Active only when no CUDA device is present. It (1) maps every CUDA device reques
 (`device="cuda"`, `torch.cuda.current_device()`, `.cuda()`) to the CPU through a
 TorchFunctionMode, (2) answers megatron's `param.type() == 'torch.cuda.FloatTensor'`
 checks (optimizer, grad clipping) as a GPU would, (3) replaces the CUDA RNG tracker
-with one over CPU generator states, and (4) makes `torch.cuda.synchronize` a no-op.
+with one over CPU generator states (and the CUDA generator's state, which activation recompute
+saves and restores, with nothing: the CPU generator's is saved beside it), and (4) makes
+`torch.cuda.synchronize` a no-op.
 `MEGATRON_TOUCHPOINTS` lists the megatron internals this relies on; a test checks
 that they still exist so a megatron upgrade fails loudly instead of silently.
 """
@@ -28,6 +30,8 @@ MEGATRON_TOUCHPOINTS: tuple[tuple[str, str], ...] = (
     ("megatron.core.tensor_parallel.random", "_CUDA_RNG_STATE_TRACKER_INITIALIZED"),
     ("megatron.core.tensor_parallel.random", "get_cuda_rng_tracker"),
     ("megatron.core.tensor_parallel.random", "model_parallel_cuda_manual_seed"),
+    ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state"),
+    ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state"),
     ("megatron.core.utils", "GlobalMemoryBuffer"),
     ("megatron.core.pipeline_parallel.p2p_communication", "P2PCommunicator"),
     ("megatron.core.pipeline_parallel.schedules", "forward_backward_no_pipelining"),
@@ -158,6 +162,10 @@ def enable_cpu_compat() -> bool:
         torch.cuda.synchronize = lambda *args, **kwargs: None
         mcore_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
         mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+        # Recompute (model.recompute_activations) keeps every RNG state to replay dropout: on CPU
+        # the CUDA generator is the CPU one, whose state megatron keeps next to it.
+        mcore_random._get_cuda_rng_state = lambda *args, **kwargs: None
+        mcore_random._set_cuda_rng_state = lambda *args, **kwargs: None
         # Entered for the rest of the process: every rank thread that runs model code is the main one.
         if device_discipline.requested():
             device_discipline.install()

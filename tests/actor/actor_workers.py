@@ -356,3 +356,23 @@ def loss_scale_worker(hf_dir: str) -> dict:
         return out
     finally:
         destroy_distributed()
+
+
+def recompute_worker(hf_dir: str) -> dict:
+    """One update of the same actor with and without activation recompute (megatron's full
+    recompute, which saves and restores every RNG state): grad norm, loss and weights after."""
+    init_distributed(ParallelSizes(1, 1), seed=7)
+    try:
+        cfg = actor_config(**{"actor.kl_loss_coef": 0.0})
+        arch = load_arch(hf_dir)
+        out = {}
+        for recompute in (False, True):
+            actor = Actor(cfg.actor, arch, hf_dir, BuildOptions(recompute_activations=recompute), total_steps=10)
+            batch = make_batch(arch.vocab_size)
+            old = actor.compute_log_probs(batch)["log_probs"]
+            metrics = actor.update(batch.with_fields(old_log_probs=old - 0.05))
+            out[recompute] = {"grad_norm": metrics["actor/grad_norm"], "pg_loss": metrics["actor/pg_loss"],
+                              "weights": {k: v.clone() for k, v in actor.engine.iter_hf_weights()}}
+        return out
+    finally:
+        destroy_distributed()

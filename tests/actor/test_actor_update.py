@@ -210,3 +210,14 @@ def test_item6_fp16_scales_the_loss_and_updates_as_float32_does(tiny_hf_dirs):
     assert fp16["grad_norm"] == pytest.approx(fp32["grad_norm"], rel=1e-3)
     assert fp16["moved"] == pytest.approx(fp32["moved"], rel=0.05)
     assert fp16["loss_scale"] == 2.0**16 and fp32["loss_scale"] == 1.0  # torch.amp's start, not megatron's 2**32
+
+
+def test_recompute_on_cpu_updates_as_without_it(tiny_hf_dirs):
+    # megatron's recompute saves the CUDA generator's state to replay dropout: on CPU (cpu_compat)
+    # that generator is the CPU one, whose state it saves too (it raised 'Torch not compiled with CUDA').
+    out = spawn_local_workers(actor_workers.recompute_worker, 1, tiny_hf_dirs["qwen3"])[0]
+    plain, recomputed = out[False], out[True]
+    assert recomputed["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-6)
+    assert recomputed["pg_loss"] == pytest.approx(plain["pg_loss"], rel=1e-6)
+    for name, weight in plain["weights"].items():
+        assert torch.allclose(recomputed["weights"][name], weight, rtol=0, atol=1e-6), name

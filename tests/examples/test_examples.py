@@ -98,7 +98,7 @@ def test_example_scripts_parse_and_name_configs_that_exist(script):
 # implementation, layout, lengths, batch sizes and concurrency, memory shares, worker processes,
 # step counts, frequencies). Never a behaviour key.
 SCALE_TO_CPU = {
-    "model.params_dtype": "float32", "model.layer_spec": "auto", "model.recompute_activations": "false",
+    "model.params_dtype": "float32", "model.layer_spec": "auto",
     "parallel.tp": "1", "parallel.pp": "1", "rollout.tp": "1",
     "rollout.max_prompt_tokens": "512", "rollout.max_response_tokens": "32", "trainer.prompts_per_step": "2",
     "rollout.max_num_seqs": "16",
