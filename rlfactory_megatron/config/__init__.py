@@ -164,9 +164,10 @@ def _check_context_parallel(cfg) -> None:
         return
     spec = cfg.model.layer_spec
     if spec == "local" or (spec == "local_sdpa" and cuda_available()):
-        raise ConfigError(f"parallel.cp={cp} needs an attention that splits packed sequences over the CP group: "
-                          f"model.layer_spec={spec} has none {'on GPU' if spec == 'local_sdpa' else ''}; use "
-                          "model.layer_spec=auto (transformer_engine on GPU, local_sdpa on CPU)")
+        where = " on GPU" if spec == "local_sdpa" else ""
+        raise ConfigError(f"parallel.cp={cp} needs an attention that splits packed sequences over the CP group, and "
+                          f"model.layer_spec={spec} has none{where}; use model.layer_spec=auto (transformer_engine "
+                          "on GPU, local_sdpa on CPU)")
     budget = cfg.actor.max_tokens_per_microbatch
     if budget % (2 * cp):
         raise ConfigError(f"actor.max_tokens_per_microbatch={budget} must be a multiple of 2 x parallel.cp = {2 * cp} "
