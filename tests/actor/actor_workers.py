@@ -297,17 +297,18 @@ def offload_worker(hf_dir: str, tp: int, pp: int, dtype: str, distributed_optimi
         destroy_distributed()
 
 
-def saved_activations_worker(hf_dir: str, tokens: int) -> dict:
+def saved_activations_worker(hf_dir: str, tokens: int, cp: int = 1) -> dict:
     """Bytes the actor's update keeps for its backward pass (every tensor autograd saves, the
-    parameters aside) on one micro-batch of exactly `tokens` tokens, against the memory plan's
-    activation term (its per-layer count; the log-prob's transient buffers aside)."""
+    parameters aside) on one micro-batch of exactly `tokens` tokens (this rank's share of it
+    under context parallelism), against the memory plan's activation term (its per-layer count;
+    the log-prob's transient buffers aside)."""
     from rlfactory_megatron.kernels.logprob.fused import default_chunk_size
     from rlfactory_megatron.trainer.memory_plan import _activations
 
-    init_distributed(ParallelSizes(1, 1), seed=7)
+    init_distributed(ParallelSizes(cp=cp), seed=7)
     try:
         cfg = load_config(overrides=[f"actor.max_tokens_per_microbatch={tokens}", "actor.mini_batch_size=2",
-                                     "actor.kl_loss_coef=0"])
+                                     "actor.kl_loss_coef=0", f"parallel.cp={cp}"])
         arch = load_arch(hf_dir)
         actor = Actor(cfg.actor, arch, hf_dir, BuildOptions(), total_steps=4)
         gen = torch.Generator().manual_seed(0)
@@ -328,7 +329,7 @@ def saved_activations_worker(hf_dir: str, tokens: int) -> dict:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             actor.update(batch)
         vocab = arch.padded_vocab_size(1)
-        buffers = 2 * min(default_chunk_size(vocab), tokens) * vocab * 4  # transient, not saved
+        buffers = 2 * min(default_chunk_size(vocab), tokens // cp) * vocab * 4  # transient, not saved
         return {"saved": sum(saved.values()), "planned": _activations(cfg, arch, 0, 4).bytes - buffers}
     finally:
         destroy_distributed()
