@@ -4,6 +4,7 @@
 #   MODEL=/models/Qwen3-8B DATA=~/data/math sbatch --nodes=2 examples/grpo_qwen3_8b_2node.sh
 # Without Slurm, on each node (NODE_RANK 0 and 1, MASTER_ADDR = node 0's address):
 #   MODEL=... DATA=... examples/grpo_qwen3_8b_2node.sh NODE_RANK 2 MASTER_ADDR
+# DATA is written once from the Hugging Face hub (MATH_SOURCE=<folder>: from a local copy of it).
 #SBATCH --job-name=rlf-qwen3-8b
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
@@ -14,7 +15,8 @@ set -euo pipefail
 cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"
 MODEL=${MODEL:-/models/Qwen3-8B}
 DATA=${DATA:-$HOME/data/math}
-[ -f "$DATA/train.parquet" ] || .venv/bin/python examples/data_preprocess/math_dataset.py --out "$DATA"
+[ -f "$DATA/train.parquet" ] && [ -f "$DATA/test.parquet" ] ||
+  .venv/bin/python examples/data_preprocess/math_dataset.py ${MATH_SOURCE:+--source "$MATH_SOURCE"} --out "$DATA"
 args=(--config rlfactory_megatron/config/examples/qwen3_8b_grpo_2node.yaml model.path="$MODEL"
       trainer.data_path="$DATA/train.parquet" trainer.val_data_path="$DATA/test.parquet")
 if [ -n "${SLURM_JOB_ID:-}" ]; then

@@ -1,6 +1,7 @@
 """A set of built tools by name: built from specs, run by name, closed together."""
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from rlfactory_megatron.envs.tools.base import BaseTool, BaseToolset, ToolResult
@@ -53,3 +54,17 @@ class ToolBox:
     async def close(self) -> None:
         for toolset in self._toolsets:
             await toolset.close()
+
+
+def tool_schemas(specs: list[ToolSpec]) -> list[dict[str, Any]]:
+    """The schemas a tool pool built from `specs` shows the model, from the tools built here
+    (no Ray) and closed again: what load-time checks render prompts with."""
+
+    async def built() -> list[dict[str, Any]]:
+        box = await ToolBox.build(specs)
+        try:
+            return box.schemas()
+        finally:
+            await box.close()
+
+    return asyncio.run(built())

@@ -1,6 +1,7 @@
 """What the preprocessing scripts share: reading a dataset's splits, writing our parquet layout."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 
@@ -29,5 +30,8 @@ def write_split(rows: list[dict], out: Path, split: str) -> Path:
     out = out.expanduser()
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{split}.parquet"
-    pq.write_table(pa.Table.from_pylist(rows), path)
+    # Whole or absent: the nodes of a multi-node example may each preprocess into one shared folder.
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    pq.write_table(pa.Table.from_pylist(rows), partial)
+    partial.replace(path)
     return path

@@ -2,13 +2,16 @@
 # Qwen2-7B-Instruct, PPO with a critic on GSM8K + MATH, Megatron tp=2 pp=2 dp=2 on 8 GPUs.
 #   MODEL=/models/Qwen2-7B-Instruct DATA=~/data examples/ppo_trainer/run_qwen2-7b_math_gsm8k_megatron.sh [overrides...]
 # The two datasets are preprocessed (once) and joined into one training and one test file; each
-# row's data_source picks its scorer (reward.scorer=null in the config).
+# row's data_source picks its scorer (reward.scorer=null in the config). They come from the Hugging
+# Face hub (GSM8K_SOURCE, MATH_SOURCE=<folder>: from local copies).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 MODEL=${MODEL:-/models/Qwen2-7B-Instruct}
 DATA=${DATA:-$HOME/data}
-[ -f "$DATA/gsm8k/train.parquet" ] || .venv/bin/python examples/data_preprocess/gsm8k.py --out "$DATA/gsm8k"
-[ -f "$DATA/math/train.parquet" ] || .venv/bin/python examples/data_preprocess/math_dataset.py --out "$DATA/math"
+[ -f "$DATA/gsm8k/train.parquet" ] && [ -f "$DATA/gsm8k/test.parquet" ] ||
+  .venv/bin/python examples/data_preprocess/gsm8k.py ${GSM8K_SOURCE:+--source "$GSM8K_SOURCE"} --out "$DATA/gsm8k"
+[ -f "$DATA/math/train.parquet" ] && [ -f "$DATA/math/test.parquet" ] ||
+  .venv/bin/python examples/data_preprocess/math_dataset.py ${MATH_SOURCE:+--source "$MATH_SOURCE"} --out "$DATA/math"
 for split in train test; do
   .venv/bin/python - "$DATA" "$split" <<'PY'
 import sys, pyarrow as pa, pyarrow.parquet as pq

@@ -17,7 +17,7 @@ from rlfactory_megatron.models.builder import BuildOptions, build_model_chunks, 
 from rlfactory_megatron.models.conversion import iter_hf_tensors, load_hf_weights
 from rlfactory_megatron.models.hf_arch import ModelArch
 from rlfactory_megatron.models.pipeline import forward_backward
-from rlfactory_megatron.runtime.cpu_compat import compute_device, cuda_available
+from rlfactory_megatron.runtime.cpu_compat import compute_device
 
 # loss_fn(micro_batch, model_output) -> (loss, metrics); runs on the last pipeline stage.
 MicroLossFn = Callable[[PackedMicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -55,10 +55,9 @@ class MegatronEngine:
                 chunk.eval()
             self.chunks = chunks
             return
-        # gloo has no reduce-scatter of flat buffers: the distributed optimizer is a GPU-only choice.
-        distributed_optimizer = bool(optim_cfg.use_distributed_optimizer) and cuda_available()
+        self.distributed_optimizer = bool(optim_cfg.use_distributed_optimizer)
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed_optimizer
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=self.distributed_optimizer
         )
         self.chunks = [
             DistributedDataParallel(chunk.config, ddp_config, chunk, disable_bucketing=i > 0)
@@ -66,7 +65,10 @@ class MegatronEngine:
         ]
         config = self.chunks[0].config
         config.finalize_model_grads_func = finalize_model_grads
-        self.optimizer = _build_optimizer(self.chunks, optim_cfg, distributed_optimizer)
+        self.optimizer = _build_optimizer(self.chunks, optim_cfg, self.distributed_optimizer)
+        # As megatron's training loop sets it: the schedule scales each loss by the optimizer's
+        # loss scale before backward (1 but in fp16, whose optimizer unscales the gradients by it).
+        config.grad_scale_func = self.optimizer.scale_loss
         self.scheduler = _build_scheduler(self.optimizer, optim_cfg, total_steps)
 
     # ------------------------------------------------------------------ running micro-batches
@@ -96,7 +98,7 @@ class MegatronEngine:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = self.run(plan, loss_fn, forward_only=False)
-        if not self._finite_everywhere(outputs):
+        if not self._finite_everywhere(outputs, gradients=not self.chunks[0].config.fp16):
             # One NaN reward or overflow would otherwise go into Adam's moments and every weight:
             # nothing of this mini-batch is applied, and the LR schedule does not advance.
             self.skipped_in_a_row += 1
@@ -118,13 +120,15 @@ class MegatronEngine:
             "step_time_s": time.perf_counter() - start,
         }
 
-    def _finite_everywhere(self, outputs: list[dict[str, Any]]) -> bool:
-        """Whether every rank's gradients (after the DP all-reduce) and losses are finite: one
-        collective flag, so that all ranks skip a step together or take it together."""
+    def _finite_everywhere(self, outputs: list[dict[str, Any]], gradients: bool = True) -> bool:
+        """Whether every rank's losses and (with `gradients`) gradients after the DP all-reduce are
+        finite: one collective flag, so that all ranks skip a step together or take it together.
+        Under a loss scale (fp16) overflowing gradients are the grad scaler's to skip and back off from."""
         bad = torch.zeros((), device=compute_device())
-        for chunk in self.chunks:
+        for chunk in self.chunks if gradients else ():
             for buffer in chunk.buffers:
-                bad += (~torch.isfinite(buffer.grad_data)).any()
+                # min and max in one pass, without a boolean copy of the buffer (NaN propagates to both)
+                bad += (~torch.isfinite(torch.stack(torch.aminmax(buffer.grad_data)))).any()
         for out in outputs:
             for value in out.values():
                 if isinstance(value, torch.Tensor) and value.is_floating_point():
@@ -191,7 +195,11 @@ class MegatronEngine:
         state = dict(model_sd)
         if self.trainable:
             # is_loading: a fresh optimizer has no Adam state yet; megatron then creates it to load into.
-            state["optimizer"] = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+            # The distributed optimizer's format: megatron's default one (fully_sharded_model_space)
+            # cannot be saved by its own dist_checkpointing ("flattened_range is not supported");
+            # dp_reshardable (megatron-LM's default) resumes at another DP size, not another TP/PP.
+            layout = {"metadata": {"distrib_optim_sharding_type": "dp_reshardable"}} if self.distributed_optimizer else {}
+            state["optimizer"] = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, **layout)
             state["scheduler"] = self.scheduler.state_dict()
         return state
 
@@ -207,6 +215,8 @@ class MegatronEngine:
     def load(self, directory: str | Path) -> None:
         from megatron.core import dist_checkpointing
 
+        if self.distributed_optimizer:
+            _allocate_torch_adam_state(self.optimizer)
         state = dist_checkpointing.load(self.sharded_state_dict(is_loading=True), str(directory))
         modules = self.modules()
         if len(modules) == 1:
@@ -215,7 +225,11 @@ class MegatronEngine:
             for i, module in enumerate(modules):
                 module.load_state_dict(state[f"model{i}"])
         if self.trainable:
-            self.optimizer.load_state_dict(state["optimizer"])
+            # no_grad: the distributed optimizer's main params of float32 weights are views of them.
+            with torch.no_grad():
+                self.optimizer.load_state_dict(state["optimizer"])
+            if self.distributed_optimizer:
+                _steps_from_param_groups(self.optimizer)
             self.scheduler.load_state_dict(state["scheduler"])
 
 
@@ -242,10 +256,51 @@ def _build_optimizer(chunks, optim_cfg, distributed_optimizer: bool):
         clip_grad=optim_cfg.clip_grad,
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
+        # fp16's dynamic loss scale starts where torch.amp's GradScaler does: megatron's 2**32 would
+        # overflow and skip the first ~17 optimizer steps of a run while it backs off.
+        initial_loss_scale=2.0**16,
         params_dtype=params_dtype,
         use_distributed_optimizer=distributed_optimizer,
     )
     return get_megatron_optimizer(config, chunks)
+
+
+def _torch_adams(optimizer) -> list[torch.optim.Adam]:
+    """torch's Adam under megatron's (chained) distributed optimizer: megatron's fallback where
+    neither Transformer-Engine nor apex provides a FusedAdam (always on CPU)."""
+    inners = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [inner.optimizer for inner in inners if isinstance(inner.optimizer, torch.optim.Adam)]
+
+
+def _allocate_torch_adam_state(optimizer) -> None:
+    """Megatron's distributed optimizer reads torch Adam's step count to build the state it loads
+    into, and asserts on the empty state of one that never stepped: one step at learning rate 0 on
+    zero gradients allocates it and moves no weight (the checkpoint then overwrites it all)."""
+    for adam in _torch_adams(optimizer):
+        if adam.state:
+            continue
+        rates = [group["lr"] for group in adam.param_groups]
+        for group in adam.param_groups:
+            group["lr"] = 0.0
+            for param in group["params"]:
+                param.grad = torch.zeros_like(param)
+        adam.step()
+        adam.zero_grad(set_to_none=True)
+        for group, rate in zip(adam.param_groups, rates):
+            group["lr"] = rate
+
+
+def _steps_from_param_groups(optimizer) -> None:
+    """torch Adam's per-parameter step count after megatron's distributed optimizer loaded it: the
+    checkpoint keeps it in the param groups (`step`), and megatron restores it into one tensor shared
+    by every parameter (which Adam's foreach update then increments once per parameter) and then
+    overwrites that with the allocated state's count: each parameter gets its own, the saved one."""
+    for adam in _torch_adams(optimizer):
+        for group in adam.param_groups:
+            for param in group["params"]:
+                state = adam.state[param]
+                state["step"] = torch.tensor(float(group["step"]), dtype=state["step"].dtype,
+                                             device=state["step"].device)
 
 
 def _build_scheduler(optimizer, optim_cfg, total_steps: int):

@@ -1,7 +1,7 @@
 """`rlf-convert`: HF <-> Megatron distributed checkpoints, and an exactness check against HF.
 
   rlf-convert hf-to-mcore --hf-dir H --out M --tp T --pp P
-  rlf-convert mcore-to-hf --mcore-dir M --out H2 [--tp T --pp P]
+  rlf-convert mcore-to-hf --mcore-dir M --out H2 [--tp T --pp P]   (M: also a run checkpoint, step_N or its actor/)
   rlf-convert check --hf-dir H --tp T --pp P [--vpp V]
 
 Outside a launcher (torchrun/srun/mpirun) the command starts the T*P local CPU processes it needs.
@@ -39,7 +39,7 @@ def _mcore_to_hf(mcore_dir: str, out: str, tp: int, pp: int, vpp: int | None) ->
 
     from rlfactory_megatron.models.builder import BuildOptions, build_model_chunks
     from rlfactory_megatron.models.conversion import iter_hf_tensors
-    from rlfactory_megatron.models.hf_checkpoint import copy_non_weight_files, write_safetensors_shards
+    from rlfactory_megatron.models.hf_checkpoint import write_hf_folder
     from rlfactory_megatron.models.mcore_checkpoint import HF_FILES_DIR, load_mcore_checkpoint, read_mcore_meta
     from rlfactory_megatron.runtime.distributed import ParallelSizes, destroy_distributed, init_distributed
 
@@ -48,18 +48,8 @@ def _mcore_to_hf(mcore_dir: str, out: str, tp: int, pp: int, vpp: int | None) ->
     try:
         chunks = build_model_chunks(arch, BuildOptions(padded_vocab_size=padded_vocab))
         load_mcore_checkpoint(chunks, mcore_dir)
-        dtype = getattr(torch, arch.torch_dtype)
-        tensors = iter_hf_tensors(chunks, arch, dtype=dtype)
-        if dist.get_rank() == 0:
-            write_safetensors_shards(tensors, out)
-            hf_files = Path(mcore_dir) / HF_FILES_DIR
-            if hf_files.is_dir():
-                copy_non_weight_files(hf_files, out)
-            else:
-                (Path(out) / "config.json").write_text(json.dumps(arch.hf_config, indent=2))
-        else:
-            for _ in tensors:
-                pass
+        tensors = iter_hf_tensors(chunks, arch, dtype=getattr(torch, arch.torch_dtype))
+        write_hf_folder(tensors, out, Path(mcore_dir) / HF_FILES_DIR, arch.hf_config, writer=dist.get_rank() == 0)
     finally:
         destroy_distributed()
     return {"out": out}
@@ -78,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser("hf-to-mcore", help="HF safetensors folder -> Megatron distributed checkpoint")
     a.add_argument("--hf-dir", required=True)
     a.add_argument("--out", required=True)
-    b = sub.add_parser("mcore-to-hf", help="Megatron distributed checkpoint -> HF safetensors folder")
+    b = sub.add_parser("mcore-to-hf",
+                       help="Megatron distributed checkpoint (or a run checkpoint) -> HF safetensors folder")
     b.add_argument("--mcore-dir", required=True)
     b.add_argument("--out", required=True)
     c = sub.add_parser("check", help="logits, loss and gradients of the Megatron model vs transformers")
@@ -98,8 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     from rlfactory_megatron.models.hf_arch import UnsupportedCheckpointError, load_arch
     from rlfactory_megatron.models.hf_checkpoint import CheckpointError
     from rlfactory_megatron.models.mcore_checkpoint import read_mcore_meta
+    from rlfactory_megatron.trainer.checkpoint import actor_model_dir
 
     try:
+        if args.command == "mcore-to-hf":
+            args.mcore_dir = str(actor_model_dir(args.mcore_dir))
         arch = read_mcore_meta(args.mcore_dir)[0] if args.command == "mcore-to-hf" else load_arch(args.hf_dir)
         from omegaconf import OmegaConf
 

@@ -1,6 +1,8 @@
 """`rlf-train [--config FILE] [key=value ...]`: validate the run, resolve the model, then train.
 
-Config errors and model/parallel mismatches are reported before any process group starts.
+Config errors, model/parallel mismatches and data the run cannot use (prompts over
+rollout.max_prompt_tokens, a warm-start without demonstrations, a data_source without a scorer)
+are reported before any process group, model, engine or Ray starts.
 Under torchrun/srun/mpirun every process is one rank; started by hand it runs tp*pp*cp local ranks.
 """
 from __future__ import annotations
@@ -62,7 +64,7 @@ def _train(cfg, hf_dir: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlf-train", description=__doc__)
-    parser.add_argument("--config", help="YAML file merged over the built-in default")
+    parser.add_argument("--config", help="YAML file over the schema's defaults (without it: the embedded default run)")
     parser.add_argument("--print-config", action="store_true", help="print the merged config and exit")
     parser.add_argument("--plan", action="store_true",
                         help="print the memory each device needs, term by term, and exit (2 if it does not fit)")
@@ -85,7 +87,11 @@ def main(argv: list[str] | None = None) -> int:
         # Before the config is loaded: checking it imports torch. Started by hand, this process
         # is the one rank (revised below for the ranks it spawns when tp*pp*cp > 1).
         chosen = choose_threads(launch.local_world_size if launch.launcher != "single" else 1)
-        cfg = load_config(args.config, args.overrides)
+        # A plan is for the GPUs the job will run on: on a machine without one (a login node),
+        # `auto` is resolved as a GPU node with the GPU stack resolves it.
+        from rlfactory_megatron.runtime.cpu_compat import cuda_available
+
+        cfg = load_config(args.config, args.overrides, for_gpu=args.plan and not cuda_available())
         _, implied = apply_preset(cfg)  # written into config.yaml, so every rank and a resume see them
         if implied and launch.rank == 0:
             print(f"rlf-train: {cfg.trainer.algorithm} implies {', '.join(implied)}")
@@ -116,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
             plan.check()
             return 0
         plan.check()
+        from rlfactory_megatron.trainer.data_checks import check_run_data
+
+        prompts = check_run_data(cfg, str(hf_dir))  # the data, before any model, engine or Ray
         output = Path(cfg.trainer.output_dir)
         output.mkdir(parents=True, exist_ok=True)
         # The run's full config: every rank trains on this text (under a launcher each rank made
@@ -128,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"tp={cfg.parallel.tp} pp={cfg.parallel.pp}{f' cp={cfg.parallel.cp}' if cfg.parallel.cp > 1 else ''} "
                   f"on {world} rank(s); outputs in {output.resolve()}")
             print(plan.summary())
+            print(f"rlf-train: {prompts}")
             if not verbose:
                 print(f"rlf-train: library output goes to {output / 'logs'} (--verbose shows it here)")
         results = run_as_job(_train_rank, model_ranks, config_yaml, str(hf_dir), verbose)

@@ -12,12 +12,13 @@ from rlfactory_megatron.config.schema import RLFConfig
 DEFAULT_CONFIG = Path(__file__).with_name("default.yaml")
 # Closed sets of values that no registry holds, checked with a message that lists the allowed ones.
 CHOICES: dict[str, tuple] = {
-    "model.params_dtype": ("float32", "bfloat16", "float16"),
+    "model.params_dtype": ("auto", "float32", "bfloat16", "float16"),
     "model.layer_spec": ("auto", "local_sdpa", "local", "transformer_engine"),
     "actor.optim.lr_decay_style": ("constant", "linear", "cosine"),
     "critic.optim.lr_decay_style": ("constant", "linear", "cosine"),
     "trainer.sft_lr_decay_style": ("constant", "linear", "cosine"),
     "rollout.mode": ("colocated", "disaggregated"),
+    "rollout.truncation": ("error", "left", "right"),
     "tools.channel": ("auto", "unix", "tcp"),
     "tools.turn_schedule": ("per_sample", "lockstep"),
     "logging.wandb_mode": ("online", "offline"),
@@ -27,7 +28,8 @@ POSITIVE_INTS = ("parallel.tp", "parallel.pp", "parallel.cp", "rollout.n", "roll
                  "trainer.prompts_per_step", "weight_sync.bucket_mb", "tools.max_turns", "trainer.sft_batch_size",
                  "trainer.max_skipped_updates", "rollout.max_prompt_tokens", "rollout.max_response_tokens",
                  "tools.tool_response_max_tokens", "tools.num_workers", "tools.max_concurrency", "reward.num_workers",
-                 "critic.ppo_epochs", "trainer.keep_last", "cache.tool_cache_max_mb", "logging.log_every")
+                 "critic.ppo_epochs", "trainer.keep_last", "cache.tool_cache_max_mb", "logging.log_every",
+                 "rollout.max_num_seqs")
 NON_NEGATIVE = ("trainer.save_every", "trainer.val_every", "trainer.val_prompts", "trainer.sft_steps", "trainer.max_refill_rounds",
                 "trainer.max_staleness",
                 "actor.optim.warmup_steps", "critic.optim.warmup_steps", "actor.optim.min_lr", "critic.optim.min_lr",
@@ -53,15 +55,19 @@ class ConfigError(ValueError):
     """A configuration key is unknown, mistyped or inconsistent; the message names it."""
 
 
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RLFConfig:
-    """Schema <- default.yaml <- YAML at `path` <- dotted `key=value` overrides, then validated."""
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), for_gpu: bool = False) -> RLFConfig:
+    """Schema <- the YAML at `path` (or, without one, default.yaml: the embedded default's
+    tiny-model run) <- dotted `key=value` overrides, then validated. A file starts from the
+    schema's defaults, never from the embedded default's. `for_gpu`: `auto` settings as a GPU
+    node resolves them, on any machine (`rlf-train --plan` on a login node)."""
     try:
         cfg = OmegaConf.structured(RLFConfig)
-        cfg = OmegaConf.merge(cfg, OmegaConf.load(DEFAULT_CONFIG))
         if path is not None:
             if not Path(path).is_file():
                 raise ConfigError(f"config file '{path}' does not exist")
             cfg = OmegaConf.merge(cfg, _load_yaml(path))
+        else:
+            cfg = OmegaConf.merge(cfg, OmegaConf.load(DEFAULT_CONFIG))
         for item in overrides:
             if "=" not in item:
                 raise ConfigError(f"override '{item}' must look like key=value (e.g. actor.optim.lr=1e-6)")
@@ -69,6 +75,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     except OmegaConfBaseException as exc:
         raise ConfigError(_explain(exc)) from None
     validate_static(cfg)
+    _resolve_params_dtype(cfg, for_gpu)
     return cfg
 
 
@@ -79,6 +86,7 @@ def config_from_yaml(text: str) -> RLFConfig:
     except OmegaConfBaseException as exc:
         raise ConfigError(_explain(exc)) from None
     validate_static(cfg)
+    _resolve_params_dtype(cfg)
     return cfg
 
 
@@ -115,6 +123,9 @@ def _keys_under(prefix: str) -> list[str]:
 
 def validate_static(cfg) -> None:
     """Checks that need no model or process group."""
+    if OmegaConf.is_missing(cfg.model, "path"):
+        raise ConfigError("model.path is required: a HF model folder (or tiny://qwen3 for a tiny test model); "
+                          "a run with --config starts from the schema's defaults, which name no model")
     for key, allowed in CHOICES.items():
         value = OmegaConf.select(cfg, key)
         if value not in allowed:
@@ -203,6 +214,17 @@ def _check_memory_keys(cfg) -> None:
     if cfg.critic.offload and not trains_critic(cfg):
         raise ConfigError(f"critic.offload=true, and trainer.algorithm={cfg.trainer.algorithm} trains no critic "
                           "(critic.enable=false); set critic.offload=false")
+
+
+def _resolve_params_dtype(cfg, for_gpu: bool = False) -> None:
+    """`model.params_dtype=auto` made concrete for the layer spec on this machine, once, so that
+    the model, the engines and the saved config all see the same dtype."""
+    from rlfactory_megatron.models.builder import resolve_params_dtype
+
+    try:
+        cfg.model.params_dtype = resolve_params_dtype(cfg.model.params_dtype, cfg.model.layer_spec, for_gpu)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _check_ranges(cfg) -> None:
@@ -331,6 +353,12 @@ def validate_against_model(cfg, arch, world_size: int) -> None:
                               "rollout.mode=disaggregated for engines of their own")
     if OmegaConf.select(cfg, "rollout.mode") == "disaggregated":
         _check_engine_devices(cfg)
+    if OmegaConf.select(cfg, "rollout.max_prompt_tokens") is not None:
+        context = cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens
+        if context > arch.max_position_embeddings:
+            raise ConfigError(f"rollout.max_prompt_tokens + rollout.max_response_tokens = {context} exceeds the "
+                              f"model's context of {arch.max_position_embeddings} tokens (max_position_embeddings); "
+                              "lower them")
     if world_size % (tp * pp * cp) != 0:
         raise ConfigError(
             f"world size {world_size} is not divisible by parallel.tp*parallel.pp*parallel.cp={tp}*{pp}*{cp}; "

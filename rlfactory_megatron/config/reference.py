@@ -12,6 +12,8 @@ import io
 import tokenize
 import typing
 
+from omegaconf import MISSING
+
 from rlfactory_megatron.config import schema
 
 HEADER = """# Configuration reference
@@ -19,8 +21,9 @@ HEADER = """# Configuration reference
 Generated from `rlfactory_megatron/config/schema.py` by
 `.venv/bin/python -m rlfactory_megatron.config.reference > docs/configuration.md`; do not edit by
 hand (`tests/docs/test_docs.py` fails when this file and the schema differ). Defaults here are
-the schema's; the embedded default run (`rlfactory_megatron/config/default.yaml`) sets a few
-others. Set a key in a YAML file (`--config`) or on the command line (`section.key=value`).
+the schema's: a run with `--config FILE` starts from them. The embedded default run (`rlf-train`
+without `--config`: `rlfactory_megatron/config/default.yaml`) sets a few others, for a tiny model
+on CPU. Set a key in a YAML file (`--config`) or on the command line (`section.key=value`).
 """
 
 
@@ -58,6 +61,8 @@ def _type_name(tp: typing.Any) -> str:
 def _default(value: typing.Any) -> str:
     if value is None:
         return "null"
+    if value == MISSING:
+        return "required"
     if isinstance(value, bool):
         return str(value).lower()
     return repr(value) if isinstance(value, str) else str(value)

@@ -4,11 +4,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from omegaconf import MISSING
+
 
 @dataclass
 class ModelConfig:
-    path: str = "tiny://qwen3"  # HF folder, or tiny://<llama|qwen2|qwen3> for a locally built tiny model
-    params_dtype: str = "float32"  # float32 | bfloat16 | float16
+    # HF folder, or tiny://<llama|qwen2|qwen3> for a locally built tiny model; required (the
+    # embedded default, a run without --config, uses tiny://qwen3)
+    path: str = MISSING
+    # auto | float32 | bfloat16 | float16; auto: bfloat16 with Transformer-Engine layers (TE's
+    # attention has no float32 kernel for the actor's packed sequences), float32 otherwise
+    params_dtype: str = "auto"
     layer_spec: str = "auto"  # auto (TE on GPU, local_sdpa on CPU) | local_sdpa | local | transformer_engine
     recompute_activations: bool = False  # recompute each layer's activations in the backward pass (memory for time)
 
@@ -40,7 +46,9 @@ class OptimConfig:
     clip_grad: float = 1.0  # global gradient-norm clip (0: none)
     warmup_steps: int = 0  # optimizer steps of linear warm-up from 0 to lr
     lr_decay_style: str = "constant"  # constant | linear | cosine
-    use_distributed_optimizer: bool = True  # megatron's ZeRO-1 optimizer sharding across DP on GPU (gloo cannot reduce-scatter: off on CPU)
+    # megatron's distributed optimizer: Adam's state sharded across DP ranks (ZeRO-1), on GPU and on
+    # CPU (gloo); its checkpoint resumes at another DP size, not another tp/pp
+    use_distributed_optimizer: bool = True
 
 
 @dataclass
@@ -99,10 +107,22 @@ class RolloutConfig:
     temperature: float = 1.0  # sampling temperature (0 = greedy); the trainer's log-probs use the same
     top_p: float = 1.0  # nucleus sampling mass (1: off)
     top_k: int = -1  # -1: off
-    max_prompt_tokens: int = 256  # longer prompts are refused with the row named
-    max_response_tokens: int = 256  # token budget of a whole trajectory after the prompt (all turns and observations)
+    # a prompt's tokens as the model sees it (chat template and tool schemas included); longer
+    # prompts go by rollout.truncation
+    max_prompt_tokens: int = 1024
+    # error: a longer prompt is refused at load, its row and length named; left: its first
+    # tokens are cut (the last max_prompt_tokens kept); right: its last tokens are cut
+    truncation: str = "error"
+    max_response_tokens: int = 1024  # token budget of a whole trajectory after the prompt (all turns and observations)
     stop: list[str] = field(default_factory=list)  # extra stop strings (the tool format's end-of-turn ids always stop)
     tp: int = 1  # tensor-parallel size of each engine
+    # requests each engine runs at once (vLLM's max_num_seqs; 1024 as verl); on CPU it also sizes
+    # the KV cache below
+    max_num_seqs: int = 1024
+    # Same samples at any scale on GPU too: vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT,
+    # compute capability >= 8.0), so that a seeded sample does not depend on the requests batched
+    # with it, at a cost in generation speed. CPU engines are batch-invariant as built.
+    batch_invariant: bool = False
     # vLLM's memory share; on CPU the KV cache is what max_num_seqs full-length sequences need,
     # at most this share of host memory
     gpu_memory_utilization: float = 0.5
@@ -133,7 +153,7 @@ class ToolsConfig:
 
 @dataclass
 class RewardConfig:
-    scorer: Optional[str] = "gsm8k"  # a scorer name; null: each sample's data_source picks (openai/gsm8k -> gsm8k, ...)
+    scorer: Optional[str] = None  # a scorer name; null: each sample's data_source picks (openai/gsm8k -> gsm8k, ...)
     manager: str = "naive"  # naive | batch | prime | dapo
     # Options of the chosen manager, e.g. dapo: {max_response_length, overlong_buffer_len,
     # overlong_penalty_factor}; prime: {num_processes}. Checked against the manager's signature.
@@ -162,14 +182,21 @@ class TrainerConfig:
     output_dir: str = "outputs/default"  # metrics, TensorBoard, checkpoints, cache, logs
     save_every: int = 10  # checkpoint every N steps (0: never)
     keep_last: int = 2  # checkpoints kept
+    # Each checkpoint also holds the actor as a HF folder (<checkpoint>/hf: config, tokenizer,
+    # chat template, safetensors), written streaming from rank 0, so the trained model leaves
+    # as it came. Costs a copy of the weights in the model's dtype (bf16: 2 bytes a parameter
+    # beside the checkpoint's ~14 of weights, fp32 master copy and Adam moments) and an export
+    # as long as a weight sync. false: `rlf-convert mcore-to-hf --mcore-dir <checkpoint>` later.
+    save_hf: bool = True
     resume: str = "auto"  # auto | never | <checkpoint dir>
-    val_every: int = 5  # greedy validation every N steps and before RL (0: never)
-    val_prompts: int = 16  # held-out prompts per validation
+    val_every: int = 10  # greedy validation every N steps and before RL (0: never)
+    # held-out prompts per validation (a 0/1 score's mean over 256 has a standard error of <= 3 points)
+    val_prompts: int = 256
     # Supervised warm-start before RL on demonstrations (the built-in task's, or a `demonstration`
     # column of trainer.data_path): steps, rows per step, and its own constant LR.
     sft_steps: int = 0
     sft_batch_size: int = 32  # demonstrations per warm-start step
-    sft_lr: float = 1e-3  # the warm-start's (peak) learning rate
+    sft_lr: float = 1e-5  # the warm-start's (peak) learning rate
     sft_lr_decay_style: str = "constant"  # constant | linear | cosine: the warm-start's LR from sft_lr towards 0 over sft_steps
     # A folder of warm-start results (trainer/warm_start_cache.py): a run whose warm-start would
     # equal a stored one (same model files, demonstrations, actor/model/parallel settings, sft_*,

@@ -1,13 +1,14 @@
 """Build megatron-core GPTModel chunks for this rank from a ModelArch (policy LM or critic value head)."""
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from rlfactory_megatron.models.hf_arch import ModelArch, rope_inv_freq
-from rlfactory_megatron.runtime.cpu_compat import cuda_available
+from rlfactory_megatron.runtime.cpu_compat import compute_device, cuda_available
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -46,6 +47,42 @@ def resolve_layer_spec(choice: str) -> str:
     return choice
 
 
+def resolve_params_dtype(dtype: str, layer_spec: str, for_gpu: bool = False) -> str:
+    """`model.params_dtype` for the layer spec the model is built with: `auto` is bfloat16 with
+    Transformer-Engine layers and float32 elsewhere. The actor feeds TE packed (THD) sequences,
+    for which TE's attention has no float32 kernel (flash and fused attention take 16-bit inputs
+    only, the unfused one no THD): float32 there would fail at the first forward, so it is refused.
+    `for_gpu`: as a GPU node with the GPU stack resolves it (TE layers for `auto`), wherever this runs."""
+    if layer_spec == "auto":
+        layer_spec = "transformer_engine" if for_gpu else resolve_layer_spec(layer_spec)
+    transformer_engine = layer_spec == "transformer_engine"
+    if dtype == "auto":
+        return "bfloat16" if transformer_engine else "float32"
+    if transformer_engine and dtype == "float32":
+        where = " (model.layer_spec=auto picks it on a GPU with Transformer-Engine)" if layer_spec == "auto" else ""
+        raise ValueError(f"model.params_dtype=float32 cannot train with model.layer_spec=transformer_engine{where}: "
+                         "TE's attention has no float32 kernel for packed sequences; set model.params_dtype=bfloat16 "
+                         "(or auto), or model.layer_spec=local_sdpa")
+    return dtype
+
+
+def fusions(layer_spec: str, on_gpu: bool) -> dict[str, bool]:
+    """megatron's fused kernels where they run (each computes the function its unfused path does):
+    on a GPU the fused SwiGLU (megatron's jit kernel) and, with apex's extension, weight gradients
+    accumulated inside their GEMMs (megatron refuses that without apex); with Transformer-Engine
+    layers TE's fused RoPE, which takes packed sequences' offsets on the device (megatron's unfused
+    THD RoPE reads them with .tolist(): two host syncs per layer and per recompute). The masked
+    softmax fusion serves megatron's own attention only (TE's has its own) and needs apex's
+    kernels, the persistent layer norm is apex's LayerNorm (these models use RMSNorm): both off."""
+    return {
+        "bias_activation_fusion": on_gpu,
+        "gradient_accumulation_fusion": on_gpu and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None,
+        "apply_rope_fusion": layer_spec == "transformer_engine",
+        "masked_softmax_fusion": False,
+        "persist_layer_norm": False,
+    }
+
+
 def transformer_config(arch: ModelArch, options: BuildOptions):
     from megatron.core import parallel_state
     from megatron.core.transformer import TransformerConfig
@@ -78,30 +115,45 @@ def transformer_config(arch: ModelArch, options: BuildOptions):
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         use_cpu_initialization=not on_gpu,
-        # Fusions are CUDA kernels; the unfused paths compute the same function.
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
+        **fusions(resolve_layer_spec(options.layer_spec), on_gpu),
         # gloo cannot batch isend/irecv safely for the interleaved schedule (silently wrong).
         batch_p2p_comm=on_gpu,
+        # As megatron's own training sets it: a stage frees its output activations once sent, and
+        # the backward pass calls the autograd engine directly, which also keeps cpu_compat's CUDA
+        # mapping on for backward functions (torch.autograd.backward ran them without it).
+        deallocate_pipeline_outputs=True,
         recompute_granularity="full" if options.recompute_activations else None,
         recompute_method="uniform" if options.recompute_activations else None,
         recompute_num_layers=1 if options.recompute_activations else None,
     )
 
 
-class ValueHead(torch.nn.Module):
-    """Critic head [hidden] -> [1], replicated on every TP rank; called like megatron's output layer."""
+def _whole_sequence(hidden_states: torch.Tensor, output_layer: torch.nn.Module) -> torch.Tensor:
+    """The last layer's hidden states over the whole sequence, as megatron's output layer gathers
+    them under sequence parallelism (each TP rank holds a part). Its backward only splits: what
+    consumes them (the fused log-prob, which all-reduces their gradient over the TP group, or the
+    replicated value head) gives every TP rank the whole gradient."""
+    if not output_layer.sequence_parallel:
+        return hidden_states
+    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype, init_std: float) -> None:
+    return gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False,
+                                                group=output_layer.tp_group)
+
+
+class ValueHead(torch.nn.Module):
+    """Critic head [hidden] -> [1], replicated on every TP rank; replaces megatron's output layer
+    (and takes its TP group and sequence-parallel setting)."""
+
+    def __init__(self, output_layer: torch.nn.Module, hidden_size: int, dtype: torch.dtype, init_std: float) -> None:
         super().__init__()
         # Same CPU RNG stream on every TP rank of the last stage, so the replicas start identical.
         self.weight = torch.nn.Parameter(torch.empty(1, hidden_size, dtype=dtype).normal_(0.0, init_std))
+        self.tp_group = output_layer.tp_group
+        self.sequence_parallel = output_layer.sequence_parallel
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
-        return torch.matmul(hidden_states, self.weight.t()), None
+        return torch.matmul(_whole_sequence(hidden_states, self), self.weight.t()), None
 
 
 class HiddenStatesOutput(torch.nn.Module):
@@ -119,15 +171,7 @@ class HiddenStatesOutput(torch.nn.Module):
         self.sequence_parallel = output_layer.sequence_parallel
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
-        if self.sequence_parallel:
-            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
-
-            # The full sequence, as the output layer would gather it. Its backward only splits: the
-            # fused log-prob already all-reduces the hidden-state gradient over the TP group.
-            hidden_states = gather_from_sequence_parallel_region(
-                hidden_states, tensor_parallel_output_grad=False, group=self.tp_group
-            )
-        return hidden_states, None
+        return _whole_sequence(hidden_states, self), None
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
@@ -137,6 +181,31 @@ class HiddenStatesOutput(torch.nn.Module):
             self.state_dict(prefix="", keep_vars=True), prefix, {"weight": 0}, sharded_offsets,
             tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"],
         )
+
+
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm as megatron's local spec builds it, also under sequence parallelism, which
+    megatron's wrapper refuses only because a torch norm lacks the mark its weight needs: each TP
+    rank then normalizes a part of the sequence, and megatron sums the gradients of weights marked
+    `sequence_parallel` over the TP group (finalize_model_grads), as for apex's and TE's norms."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused) -> None:
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+def _with_sequence_parallel_norms(layer_spec, config, vp_stage: int | None):
+    """The local spec's norms replaced by SequenceParallelRMSNorm, the block's final norm included
+    (megatron picks that one itself unless given the block's submodules)."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    layer_spec.submodules.input_layernorm = SequenceParallelRMSNorm
+    layer_spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+    attention = layer_spec.submodules.self_attention.submodules
+    if config.qk_layernorm:  # q/k norms see whole sequences; megatron sums their gradients over TP anyway
+        attention.q_layernorm = attention.k_layernorm = SequenceParallelRMSNorm
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
+                                      layer_norm=SequenceParallelRMSNorm)
 
 
 def lm_output_weight(model: torch.nn.Module) -> torch.Tensor:
@@ -177,7 +246,8 @@ def build_model_chunks(arch: ModelArch, options: BuildOptions = BuildOptions()) 
         post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
         model = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec,
+            transformer_layer_spec=(_with_sequence_parallel_norms(layer_spec, config, stage)
+                                    if options.sequence_parallel and spec_name.startswith("local") else layer_spec),
             vocab_size=vocab,
             max_sequence_length=arch.max_position_embeddings,
             pre_process=pre,
@@ -191,10 +261,10 @@ def build_model_chunks(arch: ModelArch, options: BuildOptions = BuildOptions()) 
         # Megatron's built-in Llama-3 scaling hard-codes its constants; use the checkpoint's exact ones.
         model.rotary_pos_emb.inv_freq = rope_inv_freq(arch).to(model.rotary_pos_emb.inv_freq.device)
         if options.value_head and post:
-            model.output_layer = ValueHead(arch.hidden_size, config.params_dtype, config.init_method_std)
+            model.output_layer = ValueHead(model.output_layer, arch.hidden_size, config.params_dtype,
+                                           config.init_method_std)
         elif options.output_hidden_states and post:
             model.output_layer = HiddenStatesOutput(model.output_layer)
-        if cuda_available():
-            model.cuda(torch.cuda.current_device())
+        model.to(compute_device())
         chunks.append(model)
     return chunks

@@ -111,6 +111,24 @@ def write_safetensors_shards(
     return final_names
 
 
+def write_hf_folder(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str | Path, files_dir: str | Path | None,
+                    hf_config: dict, writer: bool = True) -> None:
+    """A HF model folder from a collective export's (name, full tensor) pairs: safetensors shards
+    (one shard in memory at a time), then the config, tokenizer and chat template files of
+    `files_dir` (config.json from `hf_config` alone without them). Every rank of the export
+    iterates `tensors` to its end; only the `writer` writes."""
+    if not writer:
+        for _ in tensors:
+            pass
+        return
+    out_dir = Path(out_dir)
+    write_safetensors_shards(tensors, out_dir)
+    if files_dir is not None and Path(files_dir).is_dir():
+        copy_non_weight_files(files_dir, out_dir)
+    else:
+        (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2))
+
+
 def iter_safetensors(hf_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     reader = HFCheckpointReader(hf_dir)
     for name in reader.names():

@@ -25,22 +25,28 @@ def save_mcore_checkpoint(chunks: list[torch.nn.Module], arch: ModelArch, out_di
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    out_dir = Path(out_dir)
     if dist.get_rank() == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        meta = {"hf_config": arch.hf_config, "padded_vocab_size": padded_vocab_size, "format": 1}
-        (out_dir / META_FILE).write_text(json.dumps(meta, indent=2))
-        if hf_dir is not None:
-            copy_non_weight_files(hf_dir, out_dir / HF_FILES_DIR)
+        write_model_meta(out_dir, arch, hf_dir, padded_vocab_size)
     dist.barrier()
     dist_checkpointing.save(_sharded_state_dict(chunks), str(out_dir))
+
+
+def write_model_meta(out_dir: str | Path, arch: ModelArch, hf_dir: str | Path | None, padded_vocab_size: int) -> None:
+    """What a distributed checkpoint of a model needs to go back to HF (`rlf-convert mcore-to-hf`):
+    the HF config, the padded vocabulary, and the source's config and tokenizer files."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = {"hf_config": arch.hf_config, "padded_vocab_size": padded_vocab_size, "format": 1}
+    (out_dir / META_FILE).write_text(json.dumps(meta, indent=2))
+    if hf_dir is not None:
+        copy_non_weight_files(hf_dir, out_dir / HF_FILES_DIR)
 
 
 def read_mcore_meta(ckpt_dir: str | Path) -> tuple[ModelArch, int]:
     path = Path(ckpt_dir) / META_FILE
     if not path.is_file():
         raise ValueError(f"{ckpt_dir}: no {META_FILE}; --mcore-dir must be a folder written by "
-                         "`rlf-convert hf-to-mcore` or the trainer")
+                         "`rlf-convert hf-to-mcore`, or a run checkpoint (<output_dir>/checkpoints/step_N)")
     meta = json.loads(path.read_text())
     return arch_from_hf_config(meta["hf_config"], source=str(path)), int(meta["padded_vocab_size"])
 

@@ -16,6 +16,7 @@ from rlfactory_megatron.models.hf_arch import load_arch
 from rlfactory_megatron.models.hf_checkpoint import write_safetensors_shards
 from rlfactory_megatron.models.logprobs import vocab_parallel_log_probs
 from rlfactory_megatron.models.pipeline import forward_backward, gather_vocab_parallel
+from rlfactory_megatron.runtime.cpu_compat import compute_device
 from rlfactory_megatron.runtime.distributed import ParallelSizes, destroy_distributed, init_distributed
 
 
@@ -62,8 +63,9 @@ def check_parity(hf_dir: str, export_dir: str | None = None, seq_len: int = 16, 
     load_hf_weights(chunks, arch, hf_dir)
     input_ids = torch.randint(0, arch.vocab_size, (batch_size, seq_len), generator=torch.Generator().manual_seed(seed))
     # One sample per micro-batch: exercises gradient accumulation and the (V)PP schedules.
-    micro_batches = [{"input_ids": input_ids[i : i + 1], "position_ids": torch.arange(seq_len)[None]}
-                     for i in range(batch_size)]
+    device = compute_device()
+    micro_batches = [{"input_ids": input_ids[i : i + 1].to(device),
+                      "position_ids": torch.arange(seq_len, device=device)[None]} for i in range(batch_size)]
 
     def loss_fn(batch, output):
         log_probs = vocab_parallel_log_probs(output[:, :-1], batch["input_ids"][:, 1:], arch.vocab_size)
@@ -78,11 +80,11 @@ def check_parity(hf_dir: str, export_dir: str | None = None, seq_len: int = 16, 
     ref_logits, ref_loss, ref_grads = _hf_reference(hf_dir, input_ids)
     result: dict[str, Any] = {"rank": dist.get_rank(), "hf_dir": hf_dir}
     if outputs:
-        logits = torch.cat([out["logits"] for out in outputs])
+        logits = torch.cat([out["logits"] for out in outputs]).cpu()
         loss = torch.stack([out["loss"] for out in outputs]).mean()
         result["logits_max_diff"] = (logits - ref_logits).abs().max().item()
         result["loss_diff"] = abs(loss.item() - ref_loss.item())
-    grad_diffs = {name: (grad - ref_grads[name]).abs().max().item()
+    grad_diffs = {name: (grad.cpu() - ref_grads[name]).abs().max().item()
                   for name, grad in iter_hf_tensors(chunks, arch, source=lambda p: p.grad)}
     result["grad_max_diff"] = max(grad_diffs.values())
     result["grad_names_missing"] = sorted(set(ref_grads) - set(grad_diffs))

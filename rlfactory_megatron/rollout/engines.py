@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
 
 from rlfactory_megatron.registry import Registry
+from rlfactory_megatron.runtime.device_discipline import unchecked
 from rlfactory_megatron.runtime.reaper import Reaper, descendants, new_children
 
 
@@ -91,7 +94,8 @@ class VLLMEngine:
 
     def __init__(self, hf_dir: str, dtype: str = "float32", tensor_parallel_size: int = 1,
                  max_model_len: int = 1024, max_num_seqs: int = 64, memory_utilization: float = 0.1,
-                 seed: int = 0, enable_sleep_mode: bool = False, in_process: bool | None = None) -> None:
+                 seed: int = 0, enable_sleep_mode: bool = False, in_process: bool | None = None,
+                 staging_devices: list[torch.device] | None = None, batch_invariant: bool = False) -> None:
         import torch.distributed as dist
 
         if in_process is None:
@@ -99,8 +103,13 @@ class VLLMEngine:
             # training job its engine core must live in a process of its own.
             in_process = not dist.is_initialized() or dist.get_world_size() == 1
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
-        # Weight buckets reach a separate engine process as pickled arguments of _reload_bucket.
+        # The weight loaders reach the workers as pickled functions (collective_rpc).
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        if batch_invariant and torch.cuda.is_available():
+            # vLLM's batch-invariant mode (rollout.batch_invariant; CPU engines are invariant as
+            # built). Set before vLLM is imported: some of its modules read it at import. It holds
+            # for this process, whose torch kernels vLLM replaces (an in-process engine's trainer too).
+            os.environ["VLLM_BATCH_INVARIANT"] = "1"
         from vllm import LLM
 
         from rlfactory_megatron.models.hf_checkpoint import HFCheckpointReader
@@ -122,7 +131,7 @@ class VLLMEngine:
         # an offset CPU generators do not have ("CPU Generator does not use offset"): prompts are
         # prefilled whole there, so per-request seeds work.
         chunking = {} if not on_cpu else {"enable_chunked_prefill": False,
-                                           "max_num_batched_tokens": max(8192, max_model_len),
+                                           "max_num_batched_tokens": max(8192, max_model_len, max_num_seqs),
                                            "kv_cache_memory_bytes": _cpu_kv_cache_bytes(
                                                self.hf_dir, dtype, max_model_len, max_num_seqs, memory_utilization)}
         started_before = descendants()
@@ -137,6 +146,18 @@ class VLLMEngine:
         self._reaper = Reaper(new_children(started_before))
         self._request_counter = 0
         self._updating = False  # between the first bucket of a weight update and its finish
+        # Workers in other processes (an engine core of its own, or TP workers) take each bucket by
+        # handle: staged on `staging_devices` (by default this process's compute device), loaded
+        # while the next bucket is exported and staged.
+        self._staging = None
+        if not in_process or tensor_parallel_size > 1:
+            from rlfactory_megatron.rollout.handoff import StagingBuffers
+            from rlfactory_megatron.runtime.cpu_compat import compute_device
+
+            self._staging = StagingBuffers(staging_devices or [compute_device()] * tensor_parallel_size)
+            self._loading = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlf-weight-load")
+        self._load_in_flight: Future | None = None
+        self.message_bytes = 0  # the serialized size of every weight call's arguments, all updates together
         if in_process:
             _quiet_per_step_logs()
 
@@ -155,8 +176,9 @@ class VLLMEngine:
                 seed = None if sampling.seed is None else sampling.seed + self._request_counter
             self._request_counter += 1
             params.append(_sampling_params(sampling, seed))
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
-                                    use_tqdm=False)
+        with unchecked():
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+                                        use_tqdm=False)
         return [[_generation(completion) for completion in output.outputs] for output in outputs]
 
     # Streaming: requests join and leave the running batch between engine steps (what
@@ -173,8 +195,9 @@ class VLLMEngine:
 
     def step(self) -> list[tuple[str, Generation]]:
         """One engine step (a forward pass over every running request): the requests it finished."""
-        return [(output.request_id, _generation(output.outputs[0]))
-                for output in self.llm.llm_engine.step() if output.finished]
+        with unchecked():
+            outputs = self.llm.llm_engine.step()
+        return [(output.request_id, _generation(output.outputs[0])) for output in outputs if output.finished]
 
     def abort(self, request_ids: list[str]) -> None:
         self.llm.llm_engine.abort_request(list(request_ids))
@@ -200,23 +223,44 @@ class VLLMEngine:
 
     def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Load one bucket of a weight update in place (it must hold whole fused groups: q,k,v together;
-        gate,up together); `finish_weight_update` ends the update."""
-        # Across processes, vLLM's msgpack channel cannot carry nested (name, tensor) lists: send one
-        # flat byte buffer plus its layout instead.
-        payload = named_tensors if self.in_process else pack_bucket(named_tensors)
+        gate,up together); `finish_weight_update` ends the update. Workers in other processes load
+        it after this returns, while the caller prepares the next bucket; an error of theirs
+        surfaces at the next call."""
         first, self._updating = not self._updating, True  # set first: a failing first load still needs the finish
-        self.llm.collective_rpc(_reload_bucket, args=(payload, first))
+        if self._staging is None:  # the worker is this process: it takes the tensors themselves
+            with unchecked():
+                self.llm.collective_rpc(_reload_bucket, args=(named_tensors, first))
+            return
+        staged = self._staging.stage(named_tensors)  # overwrites the bucket before last: loaded, see below
+        self._wait_for_load()
+        self.message_bytes += len(pickle.dumps((staged, first)))
+        self._load_in_flight = self._loading.submit(self.llm.collective_rpc, _reload_bucket, args=(staged, first))
+
+    def _wait_for_load(self) -> None:
+        """Waits for the bucket the workers are loading, raising their error if they failed."""
+        in_flight, self._load_in_flight = self._load_in_flight, None
+        if in_flight is not None:
+            in_flight.result()
 
     def finish_weight_update(self) -> None:
         """Ends a weight update (also after one cut short: layers not reached keep their old weights)."""
-        if self._updating:
-            self._updating = False
-            self.llm.collective_rpc(_finish_reload)
+        try:
+            self._wait_for_load()
+        finally:
+            kept = self._staging.end_of_sync() if self._staging is not None else []
+            if self._updating:
+                self._updating = False
+                with unchecked():
+                    self.llm.collective_rpc(_finish_reload, args=(kept,))
+            if self._staging is not None:
+                self._staging.release()
         # Cached KV of prefixes was computed by the old weights.
         self.llm.reset_prefix_cache()
 
     def close(self) -> None:
         """Stop the engine core and release vLLM's process groups (before the trainer's are destroyed)."""
+        if self._staging is not None:
+            self._loading.shutdown(cancel_futures=True)
         self.llm.llm_engine.engine_core.shutdown()
         self._reaper.close()
         if self.in_process:
@@ -277,24 +321,6 @@ def _quiet_per_step_logs() -> None:
         layerwise.addFilter(_DropExpectedReloadWarnings())
 
 
-def pack_bucket(named_tensors: list[tuple[str, torch.Tensor]]) -> dict:
-    """(name, tensor) pairs -> one byte buffer + layout (names, dtypes, shapes)."""
-    flat = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in named_tensors]
-    return {"names": [n for n, _ in named_tensors], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named_tensors],
-            "shapes": [list(t.shape) for _, t in named_tensors], "data": torch.cat(flat).numpy().tobytes()}
-
-
-def unpack_bucket(packed: dict) -> list[tuple[str, torch.Tensor]]:
-    buffer = torch.frombuffer(bytearray(packed["data"]), dtype=torch.uint8)
-    out, offset = [], 0
-    for name, dtype, shape in zip(packed["names"], packed["dtypes"], packed["shapes"]):
-        dt = getattr(torch, dtype)
-        size = dt.itemsize * int(torch.Size(shape).numel())
-        out.append((name, buffer[offset : offset + size].view(dt).reshape(shape)))
-        offset += size
-    return out
-
-
 def _reload_bucket(worker, bucket, first: bool) -> None:
     """Runs inside vLLM's worker (in or out of process): loads one bucket of an update in place.
 
@@ -303,21 +329,49 @@ def _reload_bucket(worker, bucket, first: bool) -> None:
     missing from that bucket 'failed to load'). A layer is re-processed (e.g. repacked for oneDNN
     on CPU) as soon as all its weights have arrived."""
     from vllm.config import set_current_vllm_config
+    from vllm.distributed import get_tensor_model_parallel_rank
     from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-    named_tensors = unpack_bucket(bucket) if isinstance(bucket, dict) else bucket
+    staged = isinstance(bucket, dict)
+    if staged:  # staged by handle (rollout/handoff.py): this worker's copy
+        from rlfactory_megatron.rollout.handoff import open_staged
+
+        opened = worker.__dict__.setdefault("rlf_opened_buffers", {})
+        bucket = open_staged(bucket, get_tensor_model_parallel_rank(), opened)
     model = worker.model_runner.get_model()
     with set_current_vllm_config(worker.vllm_config):
         if first:
             initialize_layerwise_reload(model)
-        model.load_weights(iter(named_tensors))
+        model.load_weights(iter(bucket))
+    if staged:
+        _copy_weights_layers_still_wait_for()
+        if torch.cuda.is_available():  # done reading the buffer before the sender may pack it again
+            torch.cuda.synchronize()
 
 
-def _finish_reload(worker) -> None:
-    """Runs inside vLLM's worker: ends the update begun by the first `_reload_bucket`."""
+def _copy_weights_layers_still_wait_for() -> None:
+    """The layerwise reload keeps the weights of a layer that has not received all of its own
+    (by reference) until the rest arrive. Staged ones are views of a buffer the next bucket but
+    one overwrites: such a layer gets copies. (Buckets hold whole fused groups, so for the
+    architectures served none waits: this costs nothing then.)"""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    for info in LAYERWISE_INFO.values():
+        for _, arguments in info.loaded_weights:
+            loaded = arguments.arguments.get("loaded_weight")
+            if isinstance(loaded, torch.Tensor) and loaded.is_shared():
+                arguments.arguments["loaded_weight"] = loaded.clone()
+
+
+def _finish_reload(worker, kept: list[str]) -> None:
+    """Runs inside vLLM's worker: ends the update begun by the first `_reload_bucket`, and unmaps
+    the staging buffers the sender does not keep for the next update (`kept`)."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+    from rlfactory_megatron.rollout.handoff import keep_only
+
+    keep_only(worker.__dict__.setdefault("rlf_opened_buffers", {}), kept)
     model = worker.model_runner.get_model()
     with set_current_vllm_config(worker.vllm_config):
         finalize_layerwise_reload(model, worker.vllm_config.model_config)

@@ -3,16 +3,18 @@
 Weights travel over one process group of their own: the sending training rank and every
 engine actor (gloo on CPU, NCCL on GPU), one broadcast per bucket however many engines there
 are. Each bucket is one flat byte buffer; its layout (names, dtypes, shapes) goes with the Ray
-call that receives it.
+call that receives it. An engine with TP workers hands the received bucket on to them by handle.
 """
 from __future__ import annotations
 
+import pickle
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from rlfactory_megatron.rollout.engines import Generation, SamplingConfig, VLLMEngine
+from rlfactory_megatron.rollout.handoff import bucket_layout, pack_into, packed_size, unpack
 from rlfactory_megatron.rollout.weight_sync import TRANSPORTS, EngineLostError, Transport
 
 
@@ -29,16 +31,19 @@ def _weight_group(host: str, port: int, rank: int, size: int, backend: str, time
     return dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout_s))
 
 
+def _leave(group) -> None:
+    """This member's end of a weight group: aborted, which frees an NCCL communicator's device
+    memory and channels at once (a shutdown would wait for members that may be gone)."""
+    try:
+        group.abort()
+    except Exception:  # noqa: BLE001 - a group broken (or aborted) already is left all the same
+        pass
+
+
 def _broadcast_from_sender(group, tensor: torch.Tensor) -> None:
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
     group.broadcast([tensor], opts).wait()
-
-
-def _layout(named: list[tuple[str, torch.Tensor]]) -> dict:
-    return {"names": [n for n, _ in named], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named],
-            "shapes": [list(t.shape) for _, t in named],
-            "nbytes": [t.numel() * t.element_size() for _, t in named]}
 
 
 class VLLMEngineHost:
@@ -51,10 +56,13 @@ class VLLMEngineHost:
     `interrupt`s the requests under way first (they go on as new requests on the new weights)."""
 
     def __init__(self, hf_dir: str, **engine_kwargs) -> None:
-        self.engine = VLLMEngine(hf_dir, in_process=True, **engine_kwargs)
+        self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        # TP workers each read the bucket on their own device (the actor's devices, in order).
+        workers = [torch.device("cuda", r) for r in range(engine_kwargs.get("tensor_parallel_size", 1))]
+        self.engine = VLLMEngine(hf_dir, in_process=True, **engine_kwargs,
+                                 staging_devices=workers if self.device.type == "cuda" else None)
         self.front = None  # the StreamingEngine, made by the first stream or interrupt
         self.group = None
-        self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seeds=None) -> list[list[Generation]]:
         return self.engine.generate(prompts, sampling, seeds)
@@ -102,18 +110,25 @@ class VLLMEngineHost:
         return self.engine.weight_names()
 
     def join_weight_group(self, host: str, port: int, rank: int, size: int, backend: str, timeout_s: float) -> bool:
+        """Joins a new group of the sender and the engines (after a replacement: the old one is left)."""
+        if self.group is not None:
+            _leave(self.group)
         self.group = _weight_group(host, port, rank, size, backend, timeout_s)
         return True
 
     def receive_bucket(self, layout: dict) -> int:
-        buffer = torch.empty(sum(layout["nbytes"]), dtype=torch.uint8, device=self.device)
-        _broadcast_from_sender(self.group, buffer)
-        named, offset = [], 0
-        for name, dtype, shape, nbytes in zip(layout["names"], layout["dtypes"], layout["shapes"], layout["nbytes"]):
-            named.append((name, buffer[offset : offset + nbytes].view(getattr(torch, dtype)).reshape(shape)))
-            offset += nbytes
-        self.engine.load_weights(named)
-        return offset
+        """Receives one bucket and loads it; returns the bytes of the messages that carried it on
+        to the engine's workers (none when they live in this process)."""
+        from vllm.utils.nccl import unpinned_nccl_env
+
+        buffer = torch.empty(packed_size(layout), dtype=torch.uint8, device=self.device)
+        # NCCL makes its communicator at the first broadcast, from the environment then: without the
+        # NCCL settings vLLM's batch-invariant mode pins for its own, which the sender does not have.
+        with unpinned_nccl_env():
+            _broadcast_from_sender(self.group, buffer)
+        sent = self.engine.message_bytes
+        self.engine.load_weights(unpack(buffer, layout))
+        return self.engine.message_bytes - sent
 
     def finish_weight_update(self) -> None:
         self.engine.finish_weight_update()
@@ -121,6 +136,8 @@ class VLLMEngineHost:
     async def close(self) -> None:
         if self.front is not None:
             await self.front.close()
+        if self.group is not None:
+            _leave(self.group)
         self.engine.close()
 
 
@@ -206,12 +223,13 @@ class BroadcastTransport(Transport):
         return names[0]
 
     def send(self, bucket):
-        flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket]).to(self.device)
-        layout = _layout(bucket)
+        layout = bucket_layout(bucket)
+        flat = torch.empty(packed_size(layout), dtype=torch.uint8, device=self.device)
+        pack_into(flat, bucket, layout)
         received = [engine.actor.receive_bucket.remote(layout) for engine in self.engines]
         try:
             _broadcast_from_sender(self.group, flat)
-            self._ray.get(received)
+            self.message_bytes += len(self.engines) * len(pickle.dumps(layout)) + sum(self._ray.get(received))
         except Exception as exc:  # noqa: BLE001 - sorted out below
             self._raise_lost(received, exc)
 
@@ -222,6 +240,11 @@ class BroadcastTransport(Transport):
         except Exception as exc:  # noqa: BLE001 - sorted out below
             # No broadcast in a finish: a live engine's call ends, however long its loader takes.
             self._raise_lost(finished, exc, in_broadcast=False)
+
+    def close(self) -> None:
+        """Leaves the group (the engines leave theirs as they join the next, or close)."""
+        _leave(self.group)
+        self._store = None
 
     def _raise_lost(self, calls: list, exc: Exception, in_broadcast: bool = True) -> None:
         """An engine that died takes the group with it: the others' calls end with an error, or
@@ -252,10 +275,7 @@ class BroadcastTransport(Transport):
         if not lost:
             raise exc
         if in_broadcast and self.backend == "nccl":
-            try:
-                self.group.abort()  # frees this rank's stream from the broadcast that never ends
-            except Exception:  # noqa: BLE001 - the group is dropped either way
-                pass
+            _leave(self.group)  # frees this rank's stream from the broadcast that never ends
             whys += [f"engine {index}: in the broken NCCL broadcast" for index in range(len(self.engines))
                      if index not in lost]
             lost = list(range(len(self.engines)))

@@ -100,6 +100,9 @@ class Transport:
     # The weight version the engine serves: set after each complete sync (a sync cut short leaves
     # layers of two versions, and the number of the last complete one).
     served_version: int = 0
+    # The serialized size of the engine calls' arguments so far: what crossed a pipe or socket as
+    # messages (the weights themselves go by handle or by broadcast).
+    message_bytes: int = 0
 
     def expected_weights(self) -> dict[str, tuple]: ...
 
@@ -107,16 +110,24 @@ class Transport:
 
     def finish(self) -> None: ...
 
+    def close(self) -> None:
+        """Frees what the transport holds (a process group); it is not used after."""
+
 
 TRANSPORTS: Registry[Callable[..., Transport]] = Registry("weight-sync transport")
 
 
 @TRANSPORTS.register("in_process")
 class InProcessTransport(Transport):
-    """The engine lives in this process (colocated): buckets go straight to its loader."""
+    """The engine belongs to this process (colocated): buckets go straight to its loader, which
+    hands them by handle to workers that live in processes of their own."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
+
+    @property
+    def message_bytes(self) -> int:
+        return self.engine.message_bytes
 
     def expected_weights(self) -> dict[str, tuple]:
         return self.engine.weight_names()
@@ -135,6 +146,7 @@ class SyncStats:
     buckets: int
     max_bucket_bytes: int
     transport_seconds: float  # inside transport.send/finish: the engine's loader (+ wire time)
+    message_bytes: int  # the engine calls' serialized arguments (see Transport.message_bytes)
 
     @property
     def gb_per_s(self) -> float:
@@ -172,6 +184,7 @@ def sync_weights(actor_engine, transport: Transport | None, bucket_mb: float,
         raise WeightSyncError(refused)
     total = buckets = biggest = 0
     in_transport = 0.0
+    messages_before = transport.message_bytes if is_sender else 0
     lost: EngineLostError | None = None
     try:
         for bucket in iter_buckets(actor_engine.iter_hf_weights(), int(bucket_mb * 2**20)):
@@ -206,7 +219,8 @@ def sync_weights(actor_engine, transport: Transport | None, bucket_mb: float,
     if is_sender:
         if version is not None:
             transport.served_version = version
-        return SyncStats(time.perf_counter() - start, total, buckets, biggest, in_transport)
+        return SyncStats(time.perf_counter() - start, total, buckets, biggest, in_transport,
+                         transport.message_bytes - messages_before)
     return None
 
 

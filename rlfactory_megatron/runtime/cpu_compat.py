@@ -16,6 +16,8 @@ import threading
 import torch
 from torch.overrides import TorchFunctionMode
 
+from rlfactory_megatron.runtime import device_discipline
+
 _ENABLED = False
 _LOCK = threading.Lock()
 
@@ -54,23 +56,35 @@ _CUDA_TYPE_NAMES = {
 }
 
 
+def _on_cpu(func, args, kwargs):
+    """`func(*args, **kwargs)` with its CUDA device arguments made CPU ones."""
+    if func is _TENSOR_CUDA:
+        return args[0]
+    if func is _TENSOR_TYPE and len(args) == 1 and not kwargs:
+        # megatron asserts params "are" CUDA float tensors; on CPU they are the same dtype.
+        name = func(*args)
+        return _CUDA_TYPE_NAMES.get(name, name)
+    device = kwargs.get("device")
+    if device is not None and _is_cuda_device(device):
+        kwargs = dict(kwargs, device=_CPU)
+    if func is _TENSOR_TO and args[1:] and _is_cuda_device(args[1]):
+        args = (args[0], _CPU, *args[2:])
+    return func(*args, **kwargs)
+
+
 class CudaToCpuMode(TorchFunctionMode):
     """Rewrites CUDA device arguments to CPU for every torch call made while active."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        return _on_cpu(func, args, kwargs or {})
+
+
+class DeviceDisciplineMode(TorchFunctionMode):
+    """CudaToCpuMode that also keeps the device discipline (runtime/device_discipline.py)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is _TENSOR_CUDA:
-            return args[0]
-        if func is _TENSOR_TYPE and len(args) == 1 and not kwargs:
-            # megatron asserts params "are" CUDA float tensors; on CPU they are the same dtype.
-            name = func(*args)
-            return _CUDA_TYPE_NAMES.get(name, name)
-        device = kwargs.get("device")
-        if device is not None and _is_cuda_device(device):
-            kwargs = dict(kwargs, device=_CPU)
-        if func is _TENSOR_TO and args[1:] and _is_cuda_device(args[1]):
-            args = (args[0], _CPU, *args[2:])
-        return func(*args, **kwargs)
+        return device_discipline.check_and_mark(func, args, kwargs, lambda: _on_cpu(func, args, kwargs))
 
 
 class CpuRNGStatesTracker:
@@ -122,8 +136,11 @@ def cuda_available() -> bool:
 
 
 def compute_device() -> torch.device:
-    """Where this rank's model and its inputs live: the current CUDA device, else the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if cuda_available() else torch.device("cpu")
+    """Where this rank's model and its inputs live: the current CUDA device, else the CPU (named
+    CUDA under the device discipline, where the CPU stands in for the device)."""
+    if cuda_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cuda", 0) if device_discipline.active() else torch.device("cpu")
 
 
 def enable_cpu_compat() -> bool:
@@ -142,7 +159,11 @@ def enable_cpu_compat() -> bool:
         mcore_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
         mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
         # Entered for the rest of the process: every rank thread that runs model code is the main one.
-        CudaToCpuMode().__enter__()
+        if device_discipline.requested():
+            device_discipline.install()
+            DeviceDisciplineMode().__enter__()
+        else:
+            CudaToCpuMode().__enter__()
         _ENABLED = True
     return True
 

@@ -62,7 +62,7 @@ def init_distributed(
         )
     on_gpu = cuda_available()
     if on_gpu:
-        torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(local_device_index(launch, torch.cuda.device_count()))
     else:
         enable_cpu_compat()
     if not dist.is_initialized():
@@ -88,6 +88,12 @@ def init_distributed(
     seed_everything(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return launch
+
+
+def local_device_index(launch: LaunchEnv, device_count: int) -> int:
+    """This rank's CUDA device among those it sees: its local rank's, and 0 when every task sees
+    only its own GPU (srun --gpus-per-task=1, local rank > 0)."""
+    return launch.local_rank % device_count
 
 
 def host_rendezvous_store(world_size: int) -> dist.TCPStore:

@@ -1,28 +1,48 @@
-"""Run checkpoints: actor (+ critic) as Megatron distributed checkpoints plus the trainer's state
-(step, sampler position) in `<output_dir>/checkpoints/step_N`, the last `keep_last` kept."""
+"""Run checkpoints in `<output_dir>/checkpoints/step_N`, the last `keep_last` kept: actor (+ critic)
+as Megatron distributed checkpoints (the actor's with what `rlf-convert mcore-to-hf` needs), the
+actor as a HF folder (trainer.save_hf), and the trainer's state (step, sampler position)."""
 from __future__ import annotations
 
 import json
 import shutil
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 STATE_FILE = "trainer_state.json"
+ACTOR_DIR = "actor"
+HF_DIR = "hf"  # the actor as a HF model folder
 
 
 def checkpoint_dir(output: Path, step: int) -> Path:
     return output / "checkpoints" / f"step_{step:06d}"
 
 
-def save_checkpoint(output: Path, step: int, actor, critic, sampler, keep_last: int,
+def actor_model_dir(path: str | Path) -> Path:
+    """The Megatron model folder `path` names: a run checkpoint's actor/ for a run checkpoint,
+    else `path` itself."""
+    from rlfactory_megatron.models.mcore_checkpoint import META_FILE
+
+    path = Path(path)
+    return path / ACTOR_DIR if (path / ACTOR_DIR / META_FILE).is_file() else path
+
+
+def save_checkpoint(output: Path, step: int, actor, critic, sampler, keep_last: int, hf_dir: str, save_hf: bool,
                     files: dict[str, bytes] | None = None, wandb_run_id: str | None = None) -> Path:
-    """Collective: every rank saves its shards; rank 0 writes `files` (name -> bytes), then the
-    state last (its presence marks the checkpoint complete) and drops the oldest checkpoints.
-    `wandb_run_id`: the wandb run a resume of this checkpoint logs into."""
+    """Collective: every rank saves its shards, the actor's HF folder streams to rank 0 (with
+    `save_hf`); rank 0 writes `files` (name -> bytes), then the state last (its presence marks
+    the checkpoint complete) and drops the oldest checkpoints. `wandb_run_id`: the wandb run a
+    resume of this checkpoint logs into."""
+    from rlfactory_megatron.models.mcore_checkpoint import write_model_meta
+
     directory = checkpoint_dir(output, step)
     actor.engine.check_finite("the checkpoint")
-    actor.engine.save(directory / "actor")
+    actor.engine.save(directory / ACTOR_DIR)
+    if dist.get_rank() == 0:
+        write_model_meta(directory / ACTOR_DIR, actor.engine.arch, hf_dir, actor.engine.modules()[0].vocab_size)
+    if save_hf:
+        _write_hf(actor.engine, directory / HF_DIR, hf_dir)
     if critic is not None:
         critic.engine.save(directory / "critic")
     if dist.get_rank() == 0:
@@ -35,6 +55,21 @@ def save_checkpoint(output: Path, step: int, actor, critic, sampler, keep_last: 
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return directory
+
+
+def _write_hf(engine, out: Path, hf_dir: str) -> None:
+    """The model as a HF folder in its checkpoint's dtype, with the run's model files (config,
+    tokenizer, chat template): each full tensor gathered over TP and PP (engine.iter_hf_weights)
+    into rank 0's safetensors shards, never the whole model in one process. Data-parallel
+    replicas hold the same weights and sit it out."""
+    from megatron.core import parallel_state
+
+    from rlfactory_megatron.models.hf_checkpoint import write_hf_folder
+
+    if parallel_state.get_data_parallel_rank() != 0:
+        return
+    tensors = engine.iter_hf_weights(dtype=getattr(torch, engine.arch.torch_dtype))
+    write_hf_folder(tensors, out, hf_dir, engine.arch.hf_config, writer=dist.get_rank() == 0)
 
 
 def resume_directory(choice: str, output: Path) -> Path | None:
@@ -55,7 +90,7 @@ def load_checkpoint(directory: Path, actor, critic, sampler) -> tuple[int, str |
     """Restore models, optimizers, schedulers and the sampler position; returns the step and
     the wandb run id the checkpoint's run logged into (None: none, or an older checkpoint)."""
     state = json.loads((directory / STATE_FILE).read_text())
-    actor.engine.load(directory / "actor")
+    actor.engine.load(directory / ACTOR_DIR)
     if critic is not None:
         critic.engine.load(directory / "critic")
     sampler.load_state_dict(state["sampler"])

@@ -15,6 +15,7 @@ class PromptRecord:
     data_source: str = "unknown"
     extra: dict[str, Any] = field(default_factory=dict)
     demonstration: list[dict[str, Any]] | None = None  # assistant/tool turns for an SFT warm-start
+    origin: str = ""  # where the row comes from ("<file> row 17"), for messages that name it
 
 
 def _record(row: dict[str, Any], source: str) -> PromptRecord:
@@ -33,7 +34,7 @@ def _record(row: dict[str, Any], source: str) -> PromptRecord:
             isinstance(t, dict) and t.get("role") in ("assistant", "tool") for t in demonstration)):
         raise ValueError(f"{source}: 'demonstration' must be a list of assistant/tool messages")
     return PromptRecord([dict(m) for m in prompt], truth, str(row.get("data_source", "unknown")),
-                        dict(row.get("extra_info") or {}), demonstration)
+                        dict(row.get("extra_info") or {}), demonstration, origin=source)
 
 
 def load_prompts(path: str) -> list[PromptRecord]:
@@ -51,6 +52,43 @@ def load_prompts(path: str) -> list[PromptRecord]:
     else:
         raise ValueError(f"trainer.data_path='{path}': use a .parquet or .jsonl file")
     return [_record(row, f"{path} row {i}") for i, row in enumerate(rows)]
+
+
+def run_records(cfg) -> tuple[list[PromptRecord], list[PromptRecord]]:
+    """A run's training prompts and its held-out validation prompts (never trained on):
+    trainer.data_path's rows, validated on trainer.val_data_path's first val_prompts rows (else
+    on data_path's last ones, held out); without a data_path, the built-in task's."""
+    from rlfactory_megatron.trainer.tasks import TASKS
+
+    cfg = cfg.trainer
+    if cfg.data_path:
+        records = load_prompts(cfg.data_path)
+        if cfg.val_data_path:
+            return records, load_prompts(cfg.val_data_path)[: cfg.val_prompts]
+        held = min(cfg.val_prompts, len(records) // 2)
+        return records[: len(records) - held], records[len(records) - held:]
+    task = TASKS.get(cfg.task)
+    train = task.records(512, cfg.seed)
+    seen = {json.dumps(r.messages) for r in train}
+    fresh = [r for r in task.records(2 * cfg.val_prompts + 64, cfg.seed + 1) if json.dumps(r.messages) not in seen]
+    for name, records in (("training", train), ("validation", fresh)):
+        for i, record in enumerate(records):
+            record.origin = f"trainer.task={cfg.task} {name} prompt {i}"
+    return train, fresh[: cfg.val_prompts]
+
+
+def fit_prompt(ids: list[int], limit: int, truncation: str, origin: str = "a prompt") -> list[int]:
+    """A prompt's token ids within `limit` by rollout.truncation: as they are when they fit, else
+    `left` cuts its first tokens (keeps the last `limit`), `right` its last tokens (keeps the first
+    `limit`), and `error` refuses it (rlf-train refuses such data at load already)."""
+    if len(ids) <= limit:
+        return ids
+    if truncation == "left":
+        return ids[len(ids) - limit:]
+    if truncation == "right":
+        return ids[:limit]
+    raise ValueError(f"{origin}: a prompt of {len(ids)} tokens exceeds rollout.max_prompt_tokens={limit}; raise it, "
+                     f"or set rollout.truncation=left or right")
 
 
 class PromptSampler:

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from rlfactory_megatron.actor.batch import RolloutBatch, dp_row_owners
-from rlfactory_megatron.trainer.data import PromptRecord
-from rlfactory_megatron.trainer.tasks import TASKS
+from rlfactory_megatron.trainer.data import PromptRecord, fit_prompt
+from rlfactory_megatron.trainer.tasks import run_tool_specs
 
 # What an engine's sleep gives up, as vLLM tags it, in the order a weight update wakes it.
 ENGINE_MEMORY = ("weights", "kv_cache")
@@ -277,6 +277,7 @@ class RolloutPlane:
         self.rollout_store = self.artifacts = None
         self.tool_schemas: list[dict] | None = None
         self._asleep: set[str] = set()  # the engine memory (ENGINE_MEMORY tags) its sleep gave up
+        self._last_sync = None  # SyncStats of the last weight sync this rank sent
         # The ranks of each DP rank (all of its TP and PP ranks train on the same rows).
         from megatron.core import parallel_state
 
@@ -365,7 +366,8 @@ class RolloutPlane:
             if have < wanted:  # the actors would wait for devices that never come
                 raise ValueError(f"rollout.num_engines={self.cfg.rollout.num_engines} x rollout.tp={self.cfg.rollout.tp} "
                                  f"engine GPUs, but the Ray cluster has {have:g} besides the training ranks'; lower "
-                                 "rollout.num_engines or give the job more GPUs")
+                                 "rollout.num_engines or give the job more GPUs (slurm/train.sbatch gives Ray the "
+                                 "GPUs of each node that its RLF_GPUS_PER_NODE ranks leave)")
         auth = {}
         if os.environ.get("RAY_AUTH_MODE") == "token":
             token = os.environ.get("RAY_AUTH_TOKEN")
@@ -392,7 +394,8 @@ class RolloutPlane:
         cfg = self.cfg
         engine_args = dict(dtype=cfg.model.params_dtype, tensor_parallel_size=cfg.rollout.tp,
                            max_model_len=cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens,
-                           memory_utilization=cfg.rollout.gpu_memory_utilization, seed=cfg.trainer.seed)
+                           max_num_seqs=cfg.rollout.max_num_seqs, memory_utilization=cfg.rollout.gpu_memory_utilization,
+                           seed=cfg.trainer.seed, batch_invariant=cfg.rollout.batch_invariant)
         if self.disaggregated:
             if not ray.is_initialized():
                 ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
@@ -445,10 +448,9 @@ class RolloutPlane:
         from rlfactory_megatron.envs.tool_pool import ToolPool, ToolPoolConfig
 
         cfg = self.cfg.tools
-        tools = cfg.config_path or [dict(tool) for tool in TASKS.get(self.cfg.trainer.task).tools]
-        pool_cfg = ToolPoolConfig.from_dict({"tools": tools, "num_actors": cfg.num_workers,
-                                             "max_concurrency": cfg.max_concurrency, "call_timeout_s": cfg.call_timeout_s,
-                                             "channel": cfg.channel})
+        pool_cfg = ToolPoolConfig(run_tool_specs(self.cfg), num_actors=cfg.num_workers,
+                                  max_concurrency=cfg.max_concurrency, call_timeout_s=cfg.call_timeout_s,
+                                  channel=cfg.channel)
         self.tool_pool = ToolPool(pool_cfg, self.artifacts)
         self.tool_schemas = self._run(self.tool_pool.start())
         if self.layout.rank == 0:
@@ -501,7 +503,8 @@ class RolloutPlane:
         sampling = {"temperature": 0.0 if greedy else cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
                     "top_k": cfg.rollout.top_k, "max_tokens": cfg.rollout.max_response_tokens,
                     "stop": list(cfg.rollout.stop), "stop_token_ids": self.manager.stop_token_ids()}
-        prompts = {i: self.manager.render_prompt(records[i].messages, self.tool_schemas)[-cfg.rollout.max_prompt_tokens:]
+        prompts = {i: fit_prompt(self.manager.render_prompt(records[i].messages, self.tool_schemas),
+                                 cfg.rollout.max_prompt_tokens, cfg.rollout.truncation, records[i].origin)
                    for i in sorted({row // n for row in mine})}
         run_tool = self.tool_pool.call if self.tool_pool is not None else None
 
@@ -638,8 +641,8 @@ class RolloutPlane:
                     except Exception as exc:  # noqa: BLE001 - reraised on every rank below
                         failure = exc
                 try:
-                    sync_weights(actor_engine, self.transport, self.cfg.weight_sync.bucket_mb, version=version,
-                                 refusal=None if failure is None else _refusal(failure))
+                    self._last_sync = sync_weights(actor_engine, self.transport, self.cfg.weight_sync.bucket_mb,
+                                                   version=version, refusal=None if failure is None else _refusal(failure))
                     break
                 except WeightSyncError as exc:
                     raise exc from failure
@@ -656,6 +659,14 @@ class RolloutPlane:
                 # A sync cut short leaves the engines serving (layers of both versions): the version
                 # stays the last complete one.
                 self._run(self.router.resume(self.transport.served_version))
+
+    def sync_metrics(self) -> dict[str, float]:
+        """The last sync's model bytes and the bytes of the engine calls that carried them (on a
+        rank that sent one: the weights go by handle or broadcast, so these stay small)."""
+        stats = self._last_sync
+        if stats is None:
+            return {}
+        return {"weight_sync/bytes": float(stats.bytes), "weight_sync/message_bytes": float(stats.message_bytes)}
 
     def _replace_failed_engines(self) -> None:
         """A fresh actor for each engine that died (its requests already ran elsewhere), and a
@@ -684,6 +695,7 @@ class RolloutPlane:
             self.router.revive(index, serving(self.pool[index]))
         if failed:  # the group of the sender and every engine, the new ones included
             served = self.transport.served_version
+            self.transport.close()  # its NCCL communicator, on this rank and the surviving engines
             self.transport = self._pool_transport()
             self.transport.served_version = served
 
@@ -756,6 +768,8 @@ class RolloutPlane:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._loop_thread.join(timeout=30)
         self.reward_pool.shutdown()
+        if self.transport is not None:
+            self.transport.close()
         for engine in [self.engine, *self.pool]:
             if engine is not None:
                 engine.close()
@@ -833,15 +847,13 @@ def _engine_gpus_only(local_cluster: bool):
 
 @contextlib.contextmanager
 def _engine_devices(layout: EngineLayout):
-    """On GPU, the engine's processes see the devices of its group's ranks (local ranks
-    rank..rank+rollout_tp-1 of this node); on CPU nothing changes."""
+    """On GPU, the engine's processes see the devices of its group's ranks; on CPU nothing changes."""
     if not torch.cuda.is_available():
         yield
         return
-    local = int(os.environ.get("LOCAL_RANK", layout.rank))
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    devices = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices[local:local + layout.rollout_tp])
+    os.environ["CUDA_VISIBLE_DEVICES"] = engine_visible_devices(visible, torch.cuda.device_count(),
+                                                                torch.cuda.current_device(), layout.rollout_tp)
     try:
         yield
     finally:
@@ -849,3 +861,20 @@ def _engine_devices(layout: EngineLayout):
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = visible
+
+
+def engine_visible_devices(visible: str | None, device_count: int, device: int, rollout_tp: int) -> str:
+    """CUDA_VISIBLE_DEVICES of a colocated engine owned by the rank on `device` (its index among
+    the `visible` ones, as init_distributed set it from the launcher's local rank): that device and
+    the next rollout_tp - 1, those of the group's other ranks (a node's ranks are numbered in
+    order). Not LOCAL_RANK, which srun and mpirun do not set, nor the global rank, which is past
+    the node's devices on a second node; with one GPU per task (srun --gpus-per-task=1) a group
+    of several ranks has no devices in common, and is refused."""
+    devices = visible.split(",") if visible else [str(index) for index in range(device_count)]
+    group = devices[device:device + rollout_tp]
+    if len(group) < rollout_tp:
+        raise ValueError(f"rollout.tp={rollout_tp}: a colocated engine runs on the devices of its {rollout_tp} ranks, "
+                         f"but this rank (device {device}) sees only {len(devices)} GPU(s) ({','.join(devices)}), "
+                         "as with one GPU per task (srun --gpus-per-task=1); give every task its node's GPUs "
+                         "(--gpus-per-node), or set rollout.tp=1")
+    return ",".join(group)

@@ -6,19 +6,22 @@ import math
 import random
 import time
 
-from rlfactory_megatron.trainer.data import PromptRecord
+from rlfactory_megatron.trainer.data import PromptRecord, fit_prompt
 from rlfactory_megatron.trainer.rollouts import pad_rows
 
 
-def demonstration_rows(records: list[PromptRecord], manager, tool_schemas, max_prompt_tokens: int) -> list[tuple[list[int], list[int]]]:
+def demonstration_rows(records: list[PromptRecord], manager, tool_schemas, max_prompt_tokens: int,
+                       truncation: str) -> list[tuple[list[int], list[int]]]:
     """Prompt + demonstration tokens of every record that has one, mask 1 on the assistant's
-    tokens only (tool responses as the agent loop renders them; each assistant turn closed by
-    the marker generation stops on: Llama 3's <|eom_id|> after a tool call, else end of turn)."""
+    tokens only (the prompt as the engines get it; tool responses as the agent loop renders them;
+    each assistant turn closed by the marker generation stops on: Llama 3's <|eom_id|> after a
+    tool call, else end of turn)."""
     rows = []
     for record in records:
         if not record.demonstration:
             continue
-        ids = manager.render_prompt(record.messages, tool_schemas)[-max_prompt_tokens:]
+        ids = fit_prompt(manager.render_prompt(record.messages, tool_schemas), max_prompt_tokens, truncation,
+                         record.origin)
         mask = [0] * len(ids)
         for turn in record.demonstration:
             if turn["role"] == "tool":

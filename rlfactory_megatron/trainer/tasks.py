@@ -7,6 +7,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from rlfactory_megatron.envs.tools.registry import ToolSpec, load_tool_specs, parse_tool_specs
 from rlfactory_megatron.registry import Registry
 from rlfactory_megatron.trainer.data import PromptRecord
 
@@ -77,6 +78,14 @@ def calculator_demonstration(record: PromptRecord) -> list[dict]:
 # A short tool description: the tiny model reads the whole schema in every prompt.
 TASKS.register("calculator_arithmetic", Task(calculator_arithmetic, calculator_demonstration, tools=(
     {"class": "calculator", "description": "Evaluate an arithmetic expression."},)))
+
+
+def run_tool_specs(cfg) -> list[ToolSpec]:
+    """The tools a run declares: the YAML file tools.config_path names, else its built-in
+    task's (trainer.task)."""
+    if cfg.tools.config_path:
+        return load_tool_specs(cfg.tools.config_path)
+    return parse_tool_specs([dict(tool) for tool in TASKS.get(cfg.trainer.task).tools])
 
 
 def tokenizer_corpus(task: str = "calculator_arithmetic", seed: int = 0) -> list[str]:

@@ -11,7 +11,6 @@ rollout side (engines, their placement, the split of prompts, the routing of row
 from __future__ import annotations
 
 import contextlib
-import json
 import signal
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ from rlfactory_megatron.algorithms.rollout_correction import correction_settings
 from rlfactory_megatron.models.builder import BuildOptions
 from rlfactory_megatron.models.hf_arch import load_arch
 from rlfactory_megatron.runtime.stop import StopRequest
-from rlfactory_megatron.trainer.data import PromptRecord, PromptSampler, load_prompts
+from rlfactory_megatron.trainer.data import PromptRecord, PromptSampler, run_records
 from rlfactory_megatron.trainer.dynamic_sampling import informative_rollouts
 from rlfactory_megatron.trainer.logger import MetricsLogger, wandb_settings
 from rlfactory_megatron.trainer.presets import apply_preset, trains_critic
@@ -35,7 +34,6 @@ from rlfactory_megatron.trainer.checkpoint import checkpoint_dir, load_checkpoin
 from rlfactory_megatron.trainer.pipeline import AHEAD_FILE, RolloutPipeline
 from rlfactory_megatron.trainer.rollouts import RolloutPlane, Rollouts
 from rlfactory_megatron.trainer.sft import demonstration_rows, sft_warm_start
-from rlfactory_megatron.trainer.tasks import TASKS
 from rlfactory_megatron.trainer.warm_start_cache import WarmStartCache, warm_start_key
 
 # Validation trajectories shown as text in TensorBoard at each validation.
@@ -76,11 +74,7 @@ class Trainer:
                                                          (self.reference, cfg.actor.offload),
                                                          (self.critic, cfg.critic.offload)) if model is not None and on]
         self._to_host()
-        self.records, self.val_records = self._load_records()
-        _check_data_sources_scored(cfg.reward, self.records + self.val_records)
-        if cfg.trainer.sft_steps > 0 and not any(r.demonstration for r in self.records):
-            raise ValueError(f"trainer.sft_steps={cfg.trainer.sft_steps} needs demonstrations: give "
-                             f"trainer.data_path rows a 'demonstration' column, or set trainer.sft_steps=0")
+        self.records, self.val_records = run_records(cfg)  # checked at load (data_checks.py)
         self.sampler = PromptSampler(len(self.records), cfg.trainer.seed)
         self.step_index = 0
         self.stopped_by: int | None = None  # the signal that stopped the run early (runtime/stop.py)
@@ -95,22 +89,6 @@ class Trainer:
             self.logger = MetricsLogger(self.output, cfg.trainer.total_steps, cfg.logging.jsonl,
                                         cfg.logging.tensorboard, wandb_settings(cfg),
                                         progress_every=cfg.logging.log_every)
-
-    # ------------------------------------------------------------------ set-up
-    def _load_records(self) -> tuple[list[PromptRecord], list[PromptRecord]]:
-        """Training prompts and held-out validation prompts (never trained on)."""
-        cfg = self.cfg.trainer
-        if cfg.data_path:
-            records = load_prompts(cfg.data_path)
-            if cfg.val_data_path:
-                return records, load_prompts(cfg.val_data_path)[: cfg.val_prompts]
-            held = min(cfg.val_prompts, len(records) // 2)
-            return records[: len(records) - held], records[len(records) - held:]
-        task = TASKS.get(cfg.task)
-        train = task.records(512, cfg.seed)
-        seen = {json.dumps(r.messages) for r in train}
-        fresh = [r for r in task.records(2 * cfg.val_prompts + 64, cfg.seed + 1) if json.dumps(r.messages) not in seen]
-        return train, fresh[: cfg.val_prompts]
 
     # ------------------------------------------------------------------ one step
     def step(self) -> dict[str, float]:
@@ -180,6 +158,7 @@ class Trainer:
         tokens = float(sum(r.tokens for r in rollouts.summaries))
         step_time = sum(timings.values())
         metrics.update(timings)
+        metrics.update(self.plane.sync_metrics())
         metrics.update(reward.metrics())
         metrics.update(rollouts.stats())
         metrics.update(correction_metrics)
@@ -343,7 +322,8 @@ class Trainer:
     def sft_warm_start(self) -> None:
         """Supervised steps on the prompts' demonstrations (sft.py), then the weights to the engines."""
         rows = self.plane.broadcast(demonstration_rows(self.records, self.plane.manager, self.plane.tool_schemas,
-                                                       self.cfg.rollout.max_prompt_tokens) if self.is_leader else None)
+                                                       self.cfg.rollout.max_prompt_tokens, self.cfg.rollout.truncation)
+                                    if self.is_leader else None)
         cache = (WarmStartCache(self.cfg.trainer.sft_cache, warm_start_key(self.cfg, self.hf_dir, rows), self.output)
                  if self.cfg.trainer.sft_cache else None)
         self.plane.sleep()  # as before any training; the sync below wakes the engines
@@ -355,7 +335,8 @@ class Trainer:
         ahead = self.pipeline.state() if self.pipeline is not None else None
         with self._state_on_device():
             return save_checkpoint(self.output, self.step_index, self.actor, self.critic, self.sampler,
-                                   self.cfg.trainer.keep_last, files={AHEAD_FILE: ahead} if ahead is not None else None,
+                                   self.cfg.trainer.keep_last, self.hf_dir, self.cfg.trainer.save_hf,
+                                   files={AHEAD_FILE: ahead} if ahead is not None else None,
                                    wandb_run_id=self.logger.wandb_run_id if self.logger is not None else None)
 
     def _maybe_resume(self) -> None:
@@ -442,17 +423,3 @@ def _place_on_last_token(scores: list[float], batch: RolloutBatch) -> torch.Tens
         if len(trained):
             rewards[row, int(trained[-1])] = float(score)
     return rewards
-
-
-def _check_data_sources_scored(reward, records: list[PromptRecord]) -> None:
-    """With reward.scorer null (and no custom function) each row's data_source picks its scorer:
-    a source without one would score every sample 0 with an error, so it is refused up front."""
-    if reward.scorer is not None or reward.custom_function_path:
-        return
-    from rlfactory_megatron.rewards.scorers import get_scorer
-
-    for source in sorted({r.data_source for r in records}):
-        try:
-            get_scorer(source)
-        except KeyError as exc:
-            raise ValueError(f"reward.scorer=null picks each row's scorer by its data_source, and {exc.args[0]}") from None

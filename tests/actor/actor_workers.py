@@ -61,8 +61,10 @@ def update_worker(hf_dir: str, tp: int, pp: int, overrides: dict, perturb_masked
             actor.engine.save(checkpoint)
             metrics = actor.update(batch)
         weights = dict(actor.engine.iter_hf_weights())
+        optimizers = getattr(actor.engine.optimizer, "chained_optimizers", [actor.engine.optimizer])
         return {"metrics": metrics, "weights": weights if torch.distributed.get_rank() == 0 else None,
-                "old_log_probs": old["log_probs"], "entropy": old["entropy"]}
+                "old_log_probs": old["log_probs"], "entropy": old["entropy"],
+                "optimizer": type(optimizers[0]).__name__}
     finally:
         destroy_distributed()
 
@@ -140,12 +142,13 @@ def sft_worker(hf_dir: str, temperature: float) -> dict:
         destroy_distributed()
 
 
-def critic_worker(hf_dir: str, tp: int, pp: int) -> dict:
+def critic_worker(hf_dir: str, tp: int, pp: int, sequence_parallel: bool = False) -> dict:
     init_distributed(ParallelSizes(tp, pp), seed=7)
     try:
         cfg = actor_config(**{"critic.optim.lr": 1e-4})
         arch = load_arch(hf_dir)
-        critic = Critic(cfg.critic, cfg.actor, arch, hf_dir, BuildOptions(), total_steps=10)
+        critic = Critic(cfg.critic, cfg.actor, arch, hf_dir, BuildOptions(sequence_parallel=sequence_parallel),
+                        total_steps=10)
         batch = make_batch(arch.vocab_size)
         values = critic.compute_values(batch)
         returns = torch.randn(batch.input_ids.shape, generator=torch.Generator().manual_seed(3))
@@ -373,5 +376,27 @@ def context_parallel_worker(hf_dir: str, tp: int, cp: int) -> dict:
         return {"logits": logits, "log_probs": old["log_probs"], "entropy": old["entropy"], "metrics": metrics,
                 "actor_grads": gradients(actor.engine), "values": values, "critic_metrics": critic_metrics,
                 "critic_grads": gradients(critic.engine)}
+    finally:
+        destroy_distributed()
+
+
+def loss_scale_worker(hf_dir: str) -> dict:
+    """One update of the same actor in float32 and in float16 (megatron's fp16 optimizer with its
+    dynamic loss scale): grad norm, loss scale and how far the weights moved, per dtype."""
+    init_distributed(ParallelSizes(1, 1), seed=7)
+    try:
+        cfg = actor_config(**{"actor.kl_loss_coef": 0.0})
+        arch = load_arch(hf_dir)
+        out = {}
+        for dtype in ("float32", "float16"):
+            actor = Actor(cfg.actor, arch, hf_dir, BuildOptions(params_dtype=dtype), total_steps=10)
+            batch = make_batch(arch.vocab_size)
+            before = {k: v.float() for k, v in actor.engine.iter_hf_weights()}
+            old = actor.compute_log_probs(batch)["log_probs"]
+            metrics = actor.update(batch.with_fields(old_log_probs=old - 0.05))
+            moved = max((v.float() - before[k]).abs().max().item() for k, v in actor.engine.iter_hf_weights())
+            out[dtype] = {"grad_norm": metrics["actor/grad_norm"], "skipped": metrics["actor/skipped_steps"],
+                          "loss_scale": float(actor.engine.optimizer.get_loss_scale()), "moved": moved}
+        return out
     finally:
         destroy_distributed()

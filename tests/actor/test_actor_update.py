@@ -131,6 +131,24 @@ def test_save_load_then_next_update_is_bit_identical(tiny_hf_dirs, tmp_path):
     assert uninterrupted["metrics"]["actor/pg_loss"] == resumed["metrics"]["actor/pg_loss"]
 
 
+def test_item10_distributed_optimizer_runs_on_gloo_and_resumes_exactly(reference, tiny_hf_dirs, tmp_path):
+    # actor.optim.use_distributed_optimizer (on by default) shards Adam's state across DP ranks
+    # (reduce-scatter and all-gather on gloo); its checkpoint resumes bit-identically.
+    # Two optimizer steps per update: a step count of 2 to restore (torch Adam's is a tensor per
+    # parameter, which megatron's load left at that of a fresh state).
+    ckpt, steps = str(tmp_path / "ckpt"), {"actor.mini_batch_size": 3}
+    uninterrupted = run(tiny_hf_dirs["qwen3"], dp=2, overrides=steps, checkpoint=ckpt)  # update, save, update
+    resumed = run(tiny_hf_dirs["qwen3"], dp=2, overrides=steps, resume_from=ckpt)  # fresh processes: load, update
+    assert {r["optimizer"] for r in uninterrupted + resumed} == {"DistributedOptimizer"}
+    for name, tensor in uninterrupted[0]["weights"].items():
+        assert torch.equal(tensor, resumed[0]["weights"][name]), name
+    assert uninterrupted[0]["metrics"]["actor/pg_loss"] == resumed[0]["metrics"]["actor/pg_loss"]
+    # The reference (and every layout above) runs it too; megatron's plain optimizer gives the same update.
+    plain = run(tiny_hf_dirs["qwen3"], overrides={"actor.optim.use_distributed_optimizer": False})[0]
+    assert reference["optimizer"] == "DistributedOptimizer" and plain["optimizer"] != "DistributedOptimizer"
+    assert_same_update(reference, plain, tol=1e-6)
+
+
 def test_packed_log_probs_and_entropy_equal_transformers_per_sequence(reference, tiny_hf_dirs):
     import transformers
 
@@ -171,3 +189,25 @@ def test_non_finite_update_is_skipped_on_every_rank(tiny_hf_dirs, poison, tp, pp
         assert out["skipped"] == 1 and out["unchanged"] and out["in_a_row"] == 1 and out["lr_kept"]
         assert out["taken"] == 0 and out["moved"] > 1e-5 and out["reset"] == 0
         assert "non-finite weights found before the weight sync" in out["refused"] or "another rank" in out["refused"]
+
+
+def test_item5_critic_with_sequence_parallel_gives_the_values_and_update_it_gives_without(tiny_hf_dirs):
+    # With sequence parallelism the last layer's hidden states are split along the sequence across
+    # the TP group: the value head must see the whole sequence, as megatron's output layer does.
+    plain = spawn_local_workers(actor_workers.critic_worker, 2, tiny_hf_dirs["llama"], 2, 1, False)
+    split = spawn_local_workers(actor_workers.critic_worker, 2, tiny_hf_dirs["llama"], 2, 1, True)
+    for a, b in zip(plain, split):
+        assert torch.allclose(b["values"], a["values"], atol=1e-6)
+        assert b["metrics"]["critic/vf_loss"] == pytest.approx(a["metrics"]["critic/vf_loss"], abs=1e-6)
+        assert torch.allclose(b["after"], a["after"], atol=1e-5)  # the same update
+
+
+def test_item6_fp16_scales_the_loss_and_updates_as_float32_does(tiny_hf_dirs):
+    # megatron's fp16 optimizer divides the gradients by its loss scale: the loss must have been
+    # multiplied by it (config.grad_scale_func), or every update shrinks by the scale (2**32 in megatron).
+    out = spawn_local_workers(actor_workers.loss_scale_worker, 1, tiny_hf_dirs["qwen3"])[0]
+    fp32, fp16 = out["float32"], out["float16"]
+    assert fp16["skipped"] == 0 and fp32["grad_norm"] > 1.0
+    assert fp16["grad_norm"] == pytest.approx(fp32["grad_norm"], rel=1e-3)
+    assert fp16["moved"] == pytest.approx(fp32["moved"], rel=0.05)
+    assert fp16["loss_scale"] == 2.0**16 and fp32["loss_scale"] == 1.0  # torch.amp's start, not megatron's 2**32

@@ -5,12 +5,21 @@ from rlfactory_megatron.config import ConfigError, load_config, validate_against
 from rlfactory_megatron.models.hf_arch import arch_from_hf_config
 
 
-def test_defaults_yaml_and_overrides_merge_in_order(tmp_path):
+def test_a_config_file_starts_from_the_schema_and_overrides_come_last(tmp_path):
     yaml = tmp_path / "run.yaml"
-    yaml.write_text("actor:\n  optim:\n    lr: 3.0e-6\nparallel:\n  tp: 2\n")
+    yaml.write_text("model:\n  path: /models/m\nactor:\n  optim:\n    lr: 3.0e-6\nparallel:\n  tp: 2\n")
     cfg = load_config(yaml, ["parallel.tp=4", "rollout.stop=[</answer>]"])
     assert cfg.actor.optim.lr == 3e-6 and cfg.parallel.tp == 4 and list(cfg.rollout.stop) == ["</answer>"]
-    assert cfg.model.path == "tiny://qwen3"
+    # None of the embedded default's tiny-model settings (default.yaml): the schema's, for real models.
+    assert (cfg.trainer.sft_steps, cfg.rollout.temperature, cfg.trainer.sft_lr) == (0, 1.0, 1e-5)
+    # params_dtype auto: float32 on this machine (no GPU), bfloat16 with TE layers on one
+    assert (cfg.model.params_dtype, cfg.reward.scorer, cfg.rollout.max_num_seqs) == ("float32", None, 1024)
+    embedded = load_config()
+    assert embedded.model.path == "tiny://qwen3" and embedded.trainer.sft_steps == 400
+    assert embedded.rollout.temperature == 0.7 and embedded.model.params_dtype == "float32"
+    yaml.write_text("actor:\n  optim:\n    lr: 3.0e-6\n")
+    with pytest.raises(ConfigError, match="model.path is required"):
+        load_config(yaml)
 
 
 @pytest.mark.parametrize("override,message", [
@@ -22,6 +31,8 @@ def test_defaults_yaml_and_overrides_merge_in_order(tmp_path):
     ("parallel.vpp=2", "parallel.vpp=2 needs parallel.pp >= 2"),
     ("parallel.cp=0", "parallel.cp=0 must be >= 1"),
     ("actor.optim.lr", "must look like key=value"),
+    ("rollout.truncation=middle", "rollout.truncation='middle' is not allowed; choose one of: error, left, right"),
+    ("rollout.max_num_seqs=0", "rollout.max_num_seqs=0 must be >= 1"),
 ])
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
@@ -69,11 +80,13 @@ def test_context_parallel_layouts_are_checked_at_load(overrides, world, message)
 # Shapes of the real models (from their config.json), to check each example's layout fits them.
 REAL_SHAPES = {
     "qwen2_7b": dict(model_type="qwen2", num_hidden_layers=28, hidden_size=3584, intermediate_size=18944,
-                     num_attention_heads=28, num_key_value_heads=4, vocab_size=152064),  # Qwen2(.5)-7B
+                     num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                     max_position_embeddings=32768),  # Qwen2(.5)-7B
     "qwen3_8b": dict(model_type="qwen3", num_hidden_layers=36, hidden_size=4096, intermediate_size=12288,
-                     num_attention_heads=32, num_key_value_heads=8, vocab_size=151936),
+                     num_attention_heads=32, num_key_value_heads=8, vocab_size=151936, max_position_embeddings=40960),
     "llama3_1_8b": dict(model_type="llama", num_hidden_layers=32, hidden_size=4096, intermediate_size=14336,
-                        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256),
+                        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                        max_position_embeddings=131072),
 }
 
 
@@ -88,6 +101,8 @@ def test_example_cluster_configs_load_and_fit_their_models(name, model, world):
 
     cfg = load_config(Path(config_pkg.__file__).parent / "examples" / name)
     validate_against_model(cfg, arch_from_hf_config(REAL_SHAPES[model]), world)
+    # The run the file describes, not the embedded default's: no warm-start without demonstrations.
+    assert cfg.trainer.sft_steps == 0 and cfg.rollout.temperature == 1.0 and cfg.model.params_dtype == "bfloat16"
 
 
 def test_every_example_config_is_checked():
@@ -157,3 +172,31 @@ def test_wandb_settings_without_a_project_are_refused(override):
     with pytest.raises(ConfigError, match=f"logging.wandb_{override.split('_')[1].split('=')[0]} set without "
                                           "logging.wandb_project"):
         load_config(overrides=[override])
+
+
+@pytest.fixture
+def pretend_gpu_with_te(monkeypatch):
+    """What the layer-spec choice sees on a GPU machine with Transformer-Engine installed (the
+    CUDA and TE checks patched: neither exists here)."""
+    from rlfactory_megatron.models import builder
+
+    monkeypatch.setattr(builder, "cuda_available", lambda: True)
+    monkeypatch.setattr(builder, "_transformer_engine_available", lambda: True)
+
+
+def test_item1_defaults_on_a_gpu_train_in_bfloat16_and_float32_with_te_is_refused_at_load(pretend_gpu_with_te):
+    # TE's attention has no float32 kernel for the actor's packed (THD) sequences: the default
+    # (layer_spec=auto -> TE on a GPU) must come with a 16-bit dtype, and float32 is refused.
+    cfg = load_config()
+    assert (cfg.model.layer_spec, cfg.model.params_dtype) == ("auto", "bfloat16")
+    for overrides in (["model.params_dtype=float32"],
+                      ["model.params_dtype=float32", "model.layer_spec=transformer_engine"]):
+        with pytest.raises(ConfigError, match=r"model.params_dtype=float32 cannot train with "
+                                              r"model.layer_spec=transformer_engine.*set model.params_dtype=bfloat16"):
+            load_config(overrides=overrides)
+    assert load_config(overrides=["model.layer_spec=local_sdpa"]).model.params_dtype == "float32"
+
+
+def test_item1_params_dtype_auto_is_float32_on_cpu():
+    assert load_config().model.params_dtype == "float32"
+    assert load_config(overrides=["model.params_dtype=bfloat16"]).model.params_dtype == "bfloat16"

@@ -141,6 +141,10 @@ def test_each_example_fits_the_gpu_it_names_by_rlf_train_plan(tmp_path):
     ppo = runs[1][0].stdout
     assert "critic optimizer" in ppo and "reference" not in ppo
     assert "reference weights (bfloat16)" in runs[0][0].stdout
+    # model.params_dtype=auto (the schema's default), planned here without a GPU: as a GPU node
+    # resolves it (TE layers, bfloat16), not as this machine would run it (float32).
+    auto, _ = _rlf_train_plan(tmp_path, EXAMPLE_JOBS[0][0], folders["qwen2_7b"], 8, "model.params_dtype=auto")
+    assert auto.returncode == 0 and "actor weights (bfloat16)" in auto.stdout, auto.stdout + auto.stderr[-2000:]
 
 
 @pytest.mark.serial  # a bound on wall time: run alone (scripts/test.sh)

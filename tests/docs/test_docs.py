@@ -33,7 +33,7 @@ def test_every_tagged_block_is_run_by_its_test():
     assert (ROOT / ".ci" / "run").read_text().rstrip().endswith("./install.sh\nexec scripts/test.sh")
     learning = (ROOT / "tests" / "trainer" / "test_embedded_default_learns.py").read_text()
     # The README's command: rlf-train with an output folder and nothing else.
-    assert '[str(BIN / "rlf-train"), f"trainer.output_dir={out}", *overrides]' in learning
+    assert '[str(BIN / "rlf-train"), f"trainer.output_dir={out}", *overrides, warm_starts]' in learning
     assert "def test_embedded_default_learns_to_use_the_tool(tmp_path):" in learning
     assert "    steps = _learns(tmp_path)\n" in learning
 

@@ -1,6 +1,9 @@
 """examples/: the data preprocessing scripts turn a local copy of GSM8K and MATH into rows the
-trainer and the scorers read right, every example script and config is sound, and the GSM8K tool
-example runs end to end through its own script (a tiny model on CPU standing in for the 7B)."""
+trainer and the scorers read right, every example script and config is sound, and every example
+script runs one RL step as written, the 2-node one through scripts/launch_multinode.sh with two
+"nodes" on this host. Only three things change: the model (a tiny one of the same family), the
+data (local copies in the public datasets' own layout, which the example's own script
+preprocesses; no demonstrations) and the keys of SCALE_TO_CPU."""
 import json
 import math
 import os
@@ -11,7 +14,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
-from rlf_train_cli import BIN, SMALL, env_for, records  # noqa: E402
+from rlf_train_cli import BIN, env_for, records  # noqa: E402
 
 ROOT = Path(__file__).parents[2]
 EXAMPLES = ROOT / "examples"
@@ -90,23 +93,129 @@ def test_example_scripts_parse_and_name_configs_that_exist(script):
     assert configs and all((ROOT / c).is_file() for c in configs), configs
 
 
-def test_gsm8k_tool_example_trains_through_its_script(tmp_path):
-    # 20 rows in the hub's GSM8K layout (main/train-00000-of-00001.parquet: question, answer)
-    data = tmp_path / "data"
-    _preprocess("gsm8k.py", _local_copy(tmp_path / "gsm8k", GSM8K_ROWS * 10, config="main"), data, rows=20)
-    out = tmp_path / "run"
-    # The 8-GPU config's model, precision and layout, swapped for what a 2-core CPU can run.
-    cpu = ["model.params_dtype=float32", "model.layer_spec=auto", "model.recompute_activations=false",
-           "parallel.tp=1", "rollout.tp=1", "rollout.gpu_memory_utilization=0.1", "rollout.max_prompt_tokens=512",
-           "rollout.max_response_tokens=32", "actor.mini_batch_size=4", "actor.max_tokens_per_microbatch=4096",
-           "tools.num_workers=1", "reward.num_workers=1", "trainer.total_steps=2", "trainer.save_every=0"]
-    run = subprocess.run([str(EXAMPLES / "grpo_qwen2_5_7b_gsm8k_tools.sh"), *SMALL, *cpu, "trainer.sft_steps=0",
+# The one list of what a test changes in an example besides its model and data: what makes a
+# cluster run fit a 2-core CPU and a tiny model's 1024-token context (precision, layer
+# implementation, layout, lengths, batch sizes and concurrency, memory shares, worker processes,
+# step counts, frequencies). Never a behaviour key.
+SCALE_TO_CPU = {
+    "model.params_dtype": "float32", "model.layer_spec": "auto", "model.recompute_activations": "false",
+    "parallel.tp": "1", "parallel.pp": "1", "rollout.tp": "1",
+    "rollout.max_prompt_tokens": "512", "rollout.max_response_tokens": "32", "trainer.prompts_per_step": "2",
+    "rollout.max_num_seqs": "16",
+    "rollout.gpu_memory_utilization": "0.1", "tools.num_workers": "1", "reward.num_workers": "1",
+    "trainer.total_steps": "1", "trainer.val_every": "0", "trainer.save_every": "0",
+}
+# Keys that decide what a run learns: overriding one in a test would hide a run that breaks as
+# written (a warm-start without demonstrations once did).
+BEHAVIOUR = ("trainer.sft_steps", "trainer.algorithm", "trainer.max_refill_rounds", "rollout.temperature",
+             "rollout.top_p", "rollout.top_k", "rollout.n", "rollout.truncation",
+             "rollout.mode", "actor.policy_loss", "actor.loss_agg_mode", "actor.kl_loss_coef", "actor.kl_penalty",
+             "actor.entropy_coeff", "actor.clip_ratio_low", "actor.clip_ratio_high", "actor.ppo_epochs",
+             "actor.optim.lr", "critic.enable", "critic.optim.lr", "tools.enable", "tools.format",
+             "tools.config_path", "tools.max_turns", "reward.scorer", "reward.manager", "reward.manager_options",
+             "reward.custom_function_path", "trainer.task", "trainer.data_path")
+# Where the model, the data and the outputs are: the examples' scripts set the first three.
+LOCATIONS = ("model.path", "trainer.data_path", "trainer.val_data_path", "trainer.output_dir")
+TINY_MODEL = {"grpo_qwen2_5_7b_gsm8k_tools.sh": "tiny://qwen2", "grpo_llama3_1_8b_gsm8k_tools.sh": "tiny://llama",
+              "ppo_trainer/run_qwen2-7b_math_gsm8k_megatron.sh": "tiny://qwen2",
+              "grpo_qwen3_8b_2node.sh": "tiny://qwen3"}
+
+
+def test_the_scale_list_holds_no_behaviour_key():
+    from rlfactory_megatron.config import load_config
+
+    assert not set(SCALE_TO_CPU) & set(BEHAVIOUR)
+    assert set(TINY_MODEL) == {str(p.relative_to(EXAMPLES)) for p in EXAMPLES.rglob("*.sh")}
+    load_config(None, [f"{k}={v}" for k, v in SCALE_TO_CPU.items()])  # every key exists
+
+
+def _example_env(tmp_path: Path, script: str) -> dict[str, str]:
+    """The example's environment: a tiny model, one rank per node, an empty DATA folder the
+    script fills from local copies of the datasets in their hub layout (20 rows each)."""
+    sources = tmp_path / "sources"
+    if not sources.exists():
+        _local_copy(sources / "gsm8k", GSM8K_ROWS * 10, config="main")
+        _local_copy(sources / "MATH", MATH_ROWS * 10)
+    return {**env_for(tmp_path), "MODEL": TINY_MODEL[script], "DATA": str(tmp_path / "data"), "GPUS": "1",
+            "GSM8K_SOURCE": str(sources / "gsm8k"), "MATH_SOURCE": str(sources / "MATH"),
+            "PATH": f"{BIN}:{os.environ['PATH']}"}
+
+
+def _flat(node, prefix: str = "") -> dict[str, object]:
+    if isinstance(node, dict):
+        return {k: v for key, value in node.items() for k, v in _flat(value, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: node}
+
+
+def _check_runs_as_written(script: str, run_dir: Path, env: dict[str, str]) -> list[dict]:
+    """The run's config is the example's own but for the model, the data and SCALE_TO_CPU; its
+    engine runs rollout.max_num_seqs sequences, with a CPU KV cache sized for them; it made and
+    trained one RL step. Returns its metrics."""
+    from omegaconf import OmegaConf
+
+    from rlfactory_megatron.config import load_config
+    from rlfactory_megatron.models.hf_arch import load_arch
+    from rlfactory_megatron.models.resolve import resolve_model_path
+    from rlfactory_megatron.trainer.presets import apply_preset
+
+    [config] = [word for word in (EXAMPLES / script).read_text().split() if word.endswith(".yaml")]
+    expected = load_config(ROOT / config)
+    apply_preset(expected)
+    ran = _flat(OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml")))
+    written = _flat(OmegaConf.to_container(expected))
+    changed = {key for key in written if ran[key] != written[key]}
+    assert changed <= set(SCALE_TO_CPU) | set(LOCATIONS), changed - set(SCALE_TO_CPU) - set(LOCATIONS)
+    assert ran["model.path"].startswith("tiny://") and ran["trainer.data_path"].endswith("train.parquet")
+    os.environ.setdefault("RLF_CACHE_HOME", env["RLF_CACHE_HOME"])  # the run's model cache
+    arch = load_arch(resolve_model_path(ran["model.path"]))
+    sequences = ran["rollout.max_num_seqs"]
+    tokens = ran["rollout.max_prompt_tokens"] + ran["rollout.max_response_tokens"]
+    kv_bytes = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * 4 * tokens * sequences  # keys, values; fp32
+    engine_args = (run_dir / "logs" / "rank00000.log").read_text()  # vLLM logs the arguments it was given
+    assert f"'max_num_seqs': {sequences}," in engine_args and f"'kv_cache_memory_bytes': {kv_bytes}," in engine_args
+    logged = [r for r in records(run_dir) if r["step"] > 0]
+    assert [r["step"] for r in logged] == [1]
+    step = logged[0]
+    assert step["rollout/response_tokens_mean"] > 0 and "reward/score/mean" in step
+    assert math.isfinite(step["actor/pg_loss"]) and math.isfinite(step["actor/grad_norm"])
+    return logged
+
+
+@pytest.mark.parametrize("script", ["grpo_qwen2_5_7b_gsm8k_tools.sh", "grpo_llama3_1_8b_gsm8k_tools.sh",
+                                    "ppo_trainer/run_qwen2-7b_math_gsm8k_megatron.sh"])
+def test_single_node_example_runs_one_rl_step_as_written(tmp_path, script):
+    out, env = tmp_path / "run", _example_env(tmp_path, script)
+    run = subprocess.run([str(EXAMPLES / script), *(f"{k}={v}" for k, v in SCALE_TO_CPU.items()),
                           f"trainer.output_dir={out}"],
-                         env={**env_for(tmp_path), "MODEL": "tiny://qwen2", "DATA": str(data), "GPUS": "1",
-                              "PATH": f"{BIN}:{os.environ['PATH']}"},
-                         capture_output=True, text=True, timeout=900, cwd=tmp_path)
-    assert run.returncode == 0, run.stderr[-3000:]
-    logged = records(out)
-    assert [r["step"] for r in logged if r["step"] > 0] == [1, 2]
-    config = (out / "config.yaml").read_text()
-    assert "config_path: examples/tools/calculator.yaml" in config and "data_path: " + str(data) in config
+                         env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    [step] = _check_runs_as_written(script, out, env)
+    if "ppo" in script:  # GSM8K and MATH joined, each row scored by its data_source's scorer, a critic trained
+        assert (tmp_path / "data" / "gsm8k_math_train.parquet").is_file() and step["critic/vf_loss"] > 0
+    else:  # the calculator tool offered in the example's chat format (the tiny model may not call it)
+        assert "rollout/tool_calls_per_sample" in step and (tmp_path / "data" / "train.parquet").is_file()
+
+
+def test_two_node_example_runs_one_rl_step_through_launch_multinode(tmp_path):
+    # Node 1 in the background, node 0 in the foreground, as the script's header says; one rank
+    # each (GPUS=1), so data parallelism goes across the two "nodes".
+    script = "grpo_qwen3_8b_2node.sh"
+    out = tmp_path / "run"
+    env = {**_example_env(tmp_path, script), "MASTER_PORT": "29437"}
+    args = [*(f"{k}={v}" for k, v in SCALE_TO_CPU.items()), f"trainer.output_dir={out}"]
+    with open(tmp_path / "node1.log", "w") as log:
+        node1 = subprocess.Popen([str(EXAMPLES / script), "1", "2", "127.0.0.1", *args], env=env, cwd=tmp_path,
+                                 stdout=log, stderr=subprocess.STDOUT)
+    try:
+        node0 = subprocess.run([str(EXAMPLES / script), "0", "2", "127.0.0.1", *args], env=env, cwd=tmp_path,
+                               capture_output=True, text=True, timeout=900)
+        node1.wait(timeout=300)
+    finally:
+        node1.kill()
+    node1_log = (tmp_path / "node1.log").read_text()
+    assert node0.returncode == 0 and node1.returncode == 0, node0.stderr[-3000:] + "\n--- node 1:\n" + node1_log[-2000:]
+    assert "node 0 of 2, 1 rank(s) here" in node0.stderr and "node 1 of 2, 1 rank(s) here" in node1_log
+    assert "tp=1 pp=1 on 2 rank(s)" in node0.stdout
+    [step] = _check_runs_as_written(script, out, env)
+    assert step["rollout/num_engines"] == 2 and step["train/dp_rows_min"] >= 1  # an engine and a DP rank per node
+    assert "rollout/groups_kept" in step  # DAPO's dynamic sampling, as the example's algorithm says

@@ -44,8 +44,9 @@ def _generate_on_leader(engine, sampling):
     return payload[0]
 
 
-def _leader_engine(hf_dir: str, ray_address: str | None):
-    """Rank 0's engine and transport: in this process, or in a Ray actor fed by broadcast."""
+def _leader_engine(hf_dir: str, ray_address: str | None, engine_tp: int = 1):
+    """Rank 0's engine and transport: in this process, or in a Ray actor fed by broadcast (with
+    `engine_tp` TP workers)."""
     if dist.get_rank() != 0:
         return None, None
     if ray_address is None:
@@ -56,7 +57,7 @@ def _leader_engine(hf_dir: str, ray_address: str | None):
     from rlfactory_megatron.rollout.ray_engine import BroadcastTransport, RayVLLMEngine
 
     ray.init(address=ray_address, log_to_driver=False)
-    engine = RayVLLMEngine(hf_dir, max_model_len=128, max_num_seqs=8)
+    engine = RayVLLMEngine(hf_dir, max_model_len=128, max_num_seqs=8, tensor_parallel_size=engine_tp)
     return engine, BroadcastTransport(engine)
 
 
@@ -82,6 +83,10 @@ class _CutTransport:
     def __init__(self, transport, buckets: int):
         self.transport, self.left = transport, buckets
 
+    @property
+    def message_bytes(self):
+        return self.transport.message_bytes
+
     def expected_weights(self):
         return self.transport.expected_weights()
 
@@ -96,7 +101,8 @@ class _CutTransport:
 
 
 def sync_worker(hf_dir: str, tp: int, pp: int, bucket_mb: float, steps: int = 1, break_sync: bool = False,
-                ray_address: str | None = None, temperature: float = 1.0, cut_after_buckets: int | None = None) -> dict:
+                ray_address: str | None = None, temperature: float = 1.0, cut_after_buckets: int | None = None,
+                engine_tp: int = 1) -> dict:
     """Sync actor -> vLLM; compare vLLM's log-probs of its samples with the actor's, before/after updates."""
     init_distributed(ParallelSizes(tp, pp), seed=3)
     try:
@@ -104,7 +110,7 @@ def sync_worker(hf_dir: str, tp: int, pp: int, bucket_mb: float, steps: int = 1,
                                      "actor.max_tokens_per_microbatch=256", "actor.mini_batch_size=16"])
         arch = load_arch(hf_dir)
         actor = Actor(cfg.actor, arch, hf_dir, BuildOptions(), total_steps=10, temperature=temperature)
-        engine, transport = _leader_engine(hf_dir, ray_address)
+        engine, transport = _leader_engine(hf_dir, ray_address, engine_tp)
         initial = PolicyModel(arch, hf_dir, BuildOptions(), 256) if break_sync else None
         sampling = SamplingConfig(n=2, temperature=temperature, max_tokens=12, seed=11)
         report = {"max_diff": [], "mean_engine_lp": [], "sync": []}
@@ -132,7 +138,8 @@ def sync_worker(hf_dir: str, tp: int, pp: int, bucket_mb: float, steps: int = 1,
                     report["reload_warnings"] = warnings.close()
                 if stats is not None:
                     report["sync"].append({"buckets": stats.buckets, "bytes": stats.bytes,
-                                           "max_bucket_bytes": stats.max_bucket_bytes})
+                                           "max_bucket_bytes": stats.max_bucket_bytes,
+                                           "message_bytes": stats.message_bytes})
             generations = _generate_on_leader(engine, sampling)
             batch, engine_lp = batch_from_generations(PROMPTS, generations)
             actor_lp = actor.compute_log_probs(batch)["log_probs"]

@@ -286,5 +286,5 @@ def test_a_llama3_tool_call_turn_stops_at_eom_on_vllm(tmp_path):
     demonstration = [{"role": "assistant", "content": f"<|python_tag|>{LLAMA_CALL_JSON}"},
                      {"role": "tool", "content": "84"}, {"role": "assistant", "content": ANSWER}]
     [(ids, mask)] = demonstration_rows([PromptRecord(messages, "84", demonstration=demonstration)], manager,
-                                       calculator.schemas(), 1024)
+                                       calculator.schemas(), 1024, "error")
     assert ids == prompt + traj.response_ids and mask == [0] * len(prompt) + traj.loss_mask

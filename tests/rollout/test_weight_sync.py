@@ -32,6 +32,10 @@ def test_vllm_log_probs_equal_actor_log_probs_after_each_sync(tiny_hf_dirs, tp, 
     assert sync["buckets"] > 10 and sync["max_bucket_bytes"] <= max(0.1 * 2**20, 512 * 128 * 4)
     # One layerwise reload per sync: vLLM's per-call reload warned for every layer missing from each bucket.
     assert report["reload_warnings"] == [], report["reload_warnings"]
+    if tp * pp > 1:  # the engine core runs in a process of its own: the buckets reach it by handle
+        assert 0 < sync["message_bytes"] < 0.01 * sync["bytes"], sync
+    else:  # in this process: the tensors themselves, no message
+        assert sync["message_bytes"] == 0
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -103,13 +107,21 @@ def test_a_sender_that_cannot_sync_stops_every_rank_with_its_reason(tiny_hf_dirs
     assert results[0]["transport_calls"] == [] and results[0]["served_version"] == 0
 
 
-def test_broadcast_transport_into_a_vllm_engine_in_a_ray_actor(tiny_hf_dirs, ray_session):
+def test_broadcast_transport_into_a_vllm_engine_in_a_ray_actor_whose_tp_workers_take_the_bucket_by_handle(
+        tiny_hf_dirs, ray_session):
+    # Issue 41 item 8: the engine actor (rollout.tp=2) passed the received bucket to its two TP
+    # workers as tensors through vLLM's message queue (on a GPU: CUDA tensors, rebuilt by every
+    # worker on device 0); it hands them a handle to a staged copy on each worker's device instead.
     address = ray_session.get_runtime_context().gcs_address
-    results = spawn_local_workers(rollout_workers.sync_worker, 2, tiny_hf_dirs["qwen3"], 2, 1, 0.5, 1, False, address)
+    results = spawn_local_workers(rollout_workers.sync_worker, 2, tiny_hf_dirs["qwen3"], 2, 1, 0.5, 1, False, address,
+                                  1.0, None, 2)
     report = results[0]
     assert report["max_diff"][0] <= 1e-3 and report["max_diff"][1] <= 1e-3, report
     assert report["mean_engine_lp"][0] != report["mean_engine_lp"][1]
-    assert report["sync"][0]["buckets"] >= 5
+    sync = report["sync"][0]
+    assert sync["buckets"] >= 5
+    # The layouts (to the actor, with the broadcast) and the handles (to its workers) only.
+    assert 0 < sync["message_bytes"] < 0.01 * sync["bytes"], sync
 
 
 def test_a_broken_broadcast_names_the_engines_lost_and_the_others_end_their_update(ray_session):
@@ -164,6 +176,75 @@ def test_a_broken_broadcast_names_the_engines_lost_and_the_others_end_their_upda
     finally:
         for actor in actors:
             ray.kill(actor)
+
+
+class AbortRecordingGroup:
+    """Stand-in at the NCCL boundary (no NCCL on CPU): a real gloo weight group that records
+    whether its member aborted it, which for NCCL frees the communicator's memory and channels."""
+
+    def __init__(self, group) -> None:
+        self.group, self.aborted = group, False
+
+    def abort(self) -> None:
+        self.aborted = True
+        self.group.abort()
+
+    def __getattr__(self, name):
+        return getattr(self.group, name)
+
+
+def test_item9_a_replaced_engines_weight_group_is_aborted_by_the_sender_and_the_survivors(ray_session, monkeypatch):
+    import ray
+
+    from rlfactory_megatron.rollout import ray_engine
+
+    class WeightGroupHost(ray_engine.VLLMEngineHost):
+        """The engine actor's weight-group side as is, with a stand-in for vLLM that keeps what it loads."""
+
+        def __init__(self) -> None:
+            self.front = self.group = None
+            self.device = torch.device("cpu")
+            self.engine = SimpleNamespace(loaded=[], finish_weight_update=lambda: None, message_bytes=0)
+            self.engine.load_weights = lambda named: self.engine.loaded.append(named[0][1].tolist())
+            self.groups = []
+            join = ray_engine._weight_group
+
+            def recorded(*args, **kwargs):
+                self.groups.append(AbortRecordingGroup(join(*args, **kwargs)))
+                return self.groups[-1]
+
+            ray_engine._weight_group = recorded  # in this actor's process
+
+        def aborted(self) -> list[bool]:
+            return [group.aborted for group in self.groups]
+
+        def loaded(self) -> list:
+            return self.engine.loaded
+
+    sender_groups = []
+    join = ray_engine._weight_group
+    monkeypatch.setattr(ray_engine, "_weight_group",
+                        lambda *args, **kwargs: sender_groups.append(AbortRecordingGroup(join(*args, **kwargs)))
+                        or sender_groups[-1])
+    hosts = [ray.remote(num_cpus=0)(WeightGroupHost).remote() for _ in range(3)]
+    engines = [SimpleNamespace(actor=host, _ray=ray) for host in hosts]
+    try:
+        first = ray_engine.BroadcastTransport(engines[:2])
+        first.send([("w", torch.ones(4))])
+        ray.kill(hosts[1])  # engine 1 died; engine 2 replaces it, in a new group with the sender and engine 0
+        first.close()
+        second = ray_engine.BroadcastTransport([engines[0], engines[2]])
+        second.send([("w", torch.full((4,), 2.0))])
+        assert [group.aborted for group in sender_groups] == [True, False]
+        assert ray.get(hosts[0].aborted.remote()) == [True, False]  # the survivor left the old group
+        assert ray.get(hosts[2].aborted.remote()) == [False]
+        assert ray.get(hosts[0].loaded.remote()) == [[1.0] * 4, [2.0] * 4]
+        assert ray.get(hosts[2].loaded.remote()) == [[2.0] * 4]
+        second.close()
+        assert sender_groups[1].aborted
+    finally:
+        for host in hosts:
+            ray.kill(host)
 
 
 def test_a_sync_between_two_decode_steps_cuts_a_request_and_its_later_tokens_are_the_new_weights(tiny_hf_dirs):

@@ -11,12 +11,15 @@ BIN = Path(sys.executable).parent
 SMALL = ["trainer.prompts_per_step=2", "rollout.n=2", "rollout.max_response_tokens=48", "trainer.val_every=2",
          "trainer.val_prompts=2", "trainer.save_every=2", "trainer.sft_steps=2", "trainer.sft_batch_size=4",
          "tools.num_workers=1"]
-# Wall-clock measurements (and the engines' busy-time ratio) differ between any two runs; everything else must not.
-TIMING_KEYS = ("time/", "perf/", "tokens_per_s", "_busy_s", "engine_imbalance")
+# Wall-clock measurements (and the engines' busy-time ratio) differ between any two runs, and so
+# does the size of the handles a sync sends (they name process ids); everything else must not.
+TIMING_KEYS = ("time/", "perf/", "tokens_per_s", "_busy_s", "engine_imbalance", "weight_sync/message_bytes")
 
 
 def env_for(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", RLF_CACHE_HOME=str(tmp_path.parent / "rlf-cache"))
+    # RLF_DEVICE_DISCIPLINE: every run fails where a GPU run would (runtime/device_discipline.py).
+    env = dict(os.environ, OMP_NUM_THREADS="1", RLF_CACHE_HOME=str(tmp_path.parent / "rlf-cache"),
+               RLF_DEVICE_DISCIPLINE="1")
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "RAY_ADDRESS"):
         env.pop(var, None)
     return env

@@ -1,5 +1,6 @@
 """Bad configurations through the real `rlf-train`: each exits 2 within seconds, before any model,
 Ray or vLLM starts, with one last line that names the key (or file) and no traceback."""
+import json
 import os
 import subprocess
 import sys
@@ -29,20 +30,31 @@ def files(root: Path) -> dict[str, str]:
         "TOOLS_NOT_LIST": "tools: calculator\n",
         "TOOLS_BAD_SYNTAX": "tools:\n  - class: [calculator\n",
         "TOOLS_BAD_IMPORT": "tools:\n  - class: no_such_module.Tool\n",
+        "TOOLS_CANNOT_START": "tools:\n  - class: python\n    params: {interpreter: /opt/nowhere/python3}\n",
         "REWARD_OK": REWARD_FN,
         "REWARD_WRONG_SIGNATURE": WRONG_SIGNATURE,
         "REWARD_SYNTAX": "def compute_score(:\n",
         "REWARD_RAISES_ON_IMPORT": "raise RuntimeError('boom at import')\n",
+        "NO_MODEL_YAML": "trainer:\n  total_steps: 5\n",
+        # rows as a user's file has them: no demonstrations; the second one's prompt is long
+        "DATA": _rows({"prompt": "What is 2 + 3?", "ground_truth": "5"},
+                      {"prompt": "What is " + " + ".join(["12"] * 200) + "?", "ground_truth": "2400"},
+                      {"prompt": "What is 7 * 6?", "ground_truth": "42"}),
+        "DATA_UNSCORED": _rows({"prompt": "Name a colour.", "ground_truth": "red", "data_source": "my/colours"}),
     }
     out = {}
     for name, text in made.items():
-        path = root / (name.lower() + (".py" if name.startswith("REWARD") else ".yaml"))
+        path = root / (name.lower() + {"REWARD": ".py", "DATA": ".jsonl"}.get(name.split("_")[0], ".yaml"))
         path.write_text(text)
         out[name] = str(path)
     return out
 
 
-# (arguments, what the last line must contain)
+def _rows(*rows: dict) -> str:
+    return "".join(json.dumps(row) + "\n" for row in rows)
+
+
+# (arguments, what the last line must contain: a string, or strings it must all contain)
 CASES = [
     (["trainer.algorithm=ppo3"], "trainer.algorithm='ppo3' is not allowed"),
     (["actor.rollout_correction.tis_cap=0"], "actor.rollout_correction.tis_cap=0.0 must be > 0"),
@@ -86,6 +98,8 @@ CASES = [
     (["reward.timeout_s=0"], "reward.timeout_s=0.0 must be > 0"),
     (["trainer.save_every=-1"], "trainer.save_every=-1 must be >= 0"),
     (["trainer.task=chess"], "trainer.task='chess' is not a built-in task"),
+    (["model.params_dtype=float32", "model.layer_spec=transformer_engine"],
+     "model.params_dtype=float32 cannot train with model.layer_spec=transformer_engine"),
     (["parallel.tp=3"], "parallel.tp=3 does not divide the model's"),
     (["parallel.vpp=2"], "parallel.vpp=2 needs parallel.pp >= 2"),
     (["parallel.tp=two"], "invalid value for config key 'parallel.tp'"),
@@ -103,6 +117,7 @@ CASES = [
     (["tools.config_path=TOOLS_BAD_SYNTAX"], "tools.config_path="),
     (["tools.config_path=TOOLS_BAD_IMPORT"], "tool class 'no_such_module.Tool' cannot be imported"),
     (["tools.config_path=/nonexistent/tools.yaml"], "tools.config_path='/nonexistent/tools.yaml' does not exist"),
+    (["tools.config_path=TOOLS_CANNOT_START"], ("tools_cannot_start.yaml: a tool does not start: ", "python tool")),
     (["reward.custom_function_path=REWARD_WRONG_SIGNATURE"], "reward.custom_function_name: compute_score(text)"),
     (["reward.custom_function_path=REWARD_OK", "reward.custom_function_name=score"], "reward.custom_function_name"),
     (["reward.custom_function_path=REWARD_SYNTAX"], "reward.custom_function_path"),
@@ -116,6 +131,18 @@ CASES = [
     (["parallel.device_memory_gib=3", "rollout.gpu_memory_utilization=0.9"],
      "the memory plan needs 4.71 GiB per device in generation, over the device's 3.00 GiB (parallel.device_memory_gib); "
      "biggest terms: engine share (0.9 of the device) 2.70 GiB (lower it: a smaller rollout.gpu_memory_utilization)"),
+    (["--config", "NO_MODEL_YAML"], "model.path is required"),
+    (["rollout.max_num_seqs=0"], "rollout.max_num_seqs=0 must be >= 1"),
+    (["rollout.max_prompt_tokens=1000"], "rollout.max_prompt_tokens + rollout.max_response_tokens = 1064 exceeds the "
+                                         "model's context of 1024 tokens"),
+    (["rollout.truncation=middle"], "rollout.truncation='middle' is not allowed; choose one of: error, left, right"),
+    # The data, checked before any model loads: what once failed after the actor and reference had loaded.
+    (["trainer.data_path=DATA"], "trainer.sft_steps=400 needs demonstrations, and no training row has one"),
+    (["trainer.data_path=DATA", "trainer.sft_steps=0"],
+     ('data.jsonl row 1 ("What is 12 + 12 + 12', "tokens (chat template and tool schemas), over "
+                                                  "rollout.max_prompt_tokens=256; raise rollout.max_prompt_tokens")),
+    (["trainer.data_path=DATA_UNSCORED", "trainer.sft_steps=0", "reward.scorer=null"],
+     "reward.scorer=null picks each row's scorer by its data_source, and no reward scorer for 'my/colours'"),
 ]
 
 
@@ -138,7 +165,9 @@ def test_every_bad_config_is_refused_at_once_with_the_key_named(tmp_path):
     for (args, expected), (out, seconds) in zip(CASES, results):
         lines = [line for line in out.stderr.splitlines() if line.strip()]
         assert out.returncode == 2, (args, out.returncode, out.stderr[-2000:])
-        assert lines and lines[-1].startswith("rlf-train: error: ") and expected in lines[-1], (args, lines[-3:])
+        expected = (expected,) if isinstance(expected, str) else expected
+        assert lines and lines[-1].startswith("rlf-train: error: "), (args, lines[-3:])
+        assert all(part in lines[-1] for part in expected), (args, lines[-3:])
         assert "Traceback" not in out.stderr + out.stdout, (args, out.stderr[-2000:])
         assert seconds < 10, (args, seconds)
     assert not (tmp_path / "out").exists()  # refused before any work, also the output folder

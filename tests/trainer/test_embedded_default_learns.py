@@ -12,6 +12,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(__file__))
 from rlf_train_cli import BIN, env_for, records  # noqa: E402
 
@@ -20,13 +22,22 @@ def _mean(rows, key):
     return sum(r[key] for r in rows) / len(rows)
 
 
+# Both runs compute the same 400-step warm-start: they share it through trainer.sft_cache (one
+# worker runs the group, one folder of its own; the first run stores, the second loads the same
+# bits, as tests/trainer/test_rlf_train.py's killed run checks), which saves ~4 CPU-minutes.
+pytestmark = pytest.mark.xdist_group("embedded_default")
+
+
 def _learns(tmp_path, *overrides):
     """Run the default (with `overrides`) as the README's first command does; its metrics once it learned."""
     out = tmp_path / "default"
-    # As the README's first command runs it: no thread variables (rlf-train chooses and says so).
-    env = {k: v for k, v in env_for(tmp_path).items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    run = subprocess.run([str(BIN / "rlf-train"), f"trainer.output_dir={out}", *overrides], capture_output=True,
-                         text=True, env=env, timeout=1500)
+    # As the README's first command runs it: no thread variables (rlf-train chooses and says so),
+    # and no device discipline (the suite's other rlf-train runs have it).
+    env = {k: v for k, v in env_for(tmp_path).items()
+           if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "RLF_DEVICE_DISCIPLINE")}
+    warm_starts = f"trainer.sft_cache={tmp_path.parent / 'embedded-default-warm-starts'}"
+    run = subprocess.run([str(BIN / "rlf-train"), f"trainer.output_dir={out}", *overrides, warm_starts],
+                         capture_output=True, text=True, env=env, timeout=1500)
     assert run.returncode == 0, run.stderr[-3000:]
     assert f"metrics: {out / 'metrics.jsonl'}" in run.stdout  # where its outputs went
     assert "rlf-train: OMP_NUM_THREADS=" in run.stdout  # the threads it chose

@@ -1,0 +1,57 @@
+"""What the model build turns on where a GPU is, checked on CPU with the CUDA and TE checks patched
+in and megatron's TransformerConfig recorded (TE's fused kernels do not exist here to validate it)."""
+from rlfactory_megatron.models import builder
+from rlfactory_megatron.models.hf_arch import arch_from_hf_config
+
+ARCH = arch_from_hf_config({"model_type": "qwen3", "num_hidden_layers": 2, "hidden_size": 64,
+                            "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+                            "vocab_size": 512})
+
+
+def built_config(monkeypatch, on_gpu: bool, layer_spec: str) -> dict:
+    """transformer_config's keyword arguments to megatron's TransformerConfig on a (pretend) machine."""
+    import megatron.core.transformer as mcore_transformer
+    from megatron.core import parallel_state
+
+    monkeypatch.setattr(builder, "cuda_available", lambda: on_gpu)
+    monkeypatch.setattr(builder, "_transformer_engine_available", lambda: on_gpu)
+    monkeypatch.setattr(mcore_transformer, "TransformerConfig", lambda **kwargs: kwargs)
+    monkeypatch.setattr(parallel_state, "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE", 1)
+    monkeypatch.setattr(parallel_state, "_MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE", 1)
+    return builder.transformer_config(ARCH, builder.BuildOptions(params_dtype="bfloat16", layer_spec=layer_spec))
+
+
+def test_item11_fusions_are_on_where_a_gpu_is_and_off_on_cpu(monkeypatch):
+    gpu = built_config(monkeypatch, True, "auto")  # auto: Transformer-Engine layers
+    assert gpu["apply_rope_fusion"] and gpu["bias_activation_fusion"]  # TE's THD RoPE: no .tolist() per layer
+    assert gpu["gradient_accumulation_fusion"] is False  # needs apex's extension, not installed here
+    assert not gpu["masked_softmax_fusion"] and not gpu["persist_layer_norm"]
+    local_on_gpu = built_config(monkeypatch, True, "local_sdpa")
+    assert local_on_gpu["bias_activation_fusion"] and not local_on_gpu["apply_rope_fusion"]
+    cpu = built_config(monkeypatch, False, "auto")
+    assert not any(cpu[key] for key in builder.fusions("local_sdpa", False))
+
+
+def test_item11_finite_check_reads_the_gradient_buffer_without_copying_it(monkeypatch):
+    # _finite_everywhere made two boolean copies of the whole fp32 gradient buffer per step
+    # (~isfinite(grad)): a quarter of the buffer's memory, twice. It reduces in place now, and still
+    # finds a NaN or an infinity anywhere.
+    import types
+
+    import torch
+    import torch.distributed as dist
+
+    from rlfactory_megatron.actor.engine import MegatronEngine
+
+    grad = torch.zeros(1 << 20)
+    engine = object.__new__(MegatronEngine)
+    engine.chunks = [types.SimpleNamespace(buffers=[types.SimpleNamespace(grad_data=grad)])]
+    monkeypatch.setattr(dist, "get_world_size", lambda: 1)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        assert engine._finite_everywhere([])
+    largest = max(event.cpu_memory_usage for event in prof.key_averages())
+    assert largest < grad.numel() // 16, largest  # a bool copy would be grad.numel() bytes
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        grad[12345] = bad
+        assert not engine._finite_everywhere([])
+        grad[12345] = 0.0
