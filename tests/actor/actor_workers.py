@@ -338,15 +338,18 @@ def saved_activations_worker(hf_dir: str, tokens: int, cp: int = 1) -> dict:
         destroy_distributed()
 
 
-def context_parallel_worker(hf_dir: str, tp: int, cp: int) -> dict:
+def context_parallel_worker(hf_dir: str, tp: int, cp: int, distributed_optimizer: bool) -> dict:
     """On make_batch's packed multi-turn rows (tool tokens masked): the logits of every trained
     token, the actor's gradients of one PPO update (KL and entropy terms, a sequence-level
-    aggregation), the critic's values and the gradients of its update, as this rank's TP shard."""
+    aggregation), the critic's values and the gradients of its update, as this rank's TP shard.
+    With the distributed optimizer a rank's main_grad is whole only in its own shard."""
     from rlfactory_megatron.actor.actor import PolicyModel, _plan
 
     init_distributed(ParallelSizes(tp, 1, cp=cp), seed=7)
     try:
-        cfg = actor_config(**{"actor.loss_agg_mode": "seq-mean-token-mean", "critic.optim.lr": 1e-4})
+        cfg = actor_config(**{"actor.loss_agg_mode": "seq-mean-token-mean", "critic.optim.lr": 1e-4,
+                              "actor.optim.use_distributed_optimizer": distributed_optimizer,
+                              "critic.optim.use_distributed_optimizer": distributed_optimizer})
         arch = load_arch(hf_dir)
         batch = make_batch(arch.vocab_size)
         # Vocab-parallel logits of every position, as the model's last stage returns them (no fused log-prob).
