@@ -485,6 +485,52 @@ def batch_invariant_engines_sample_alike(ctx):
     return f"the same {len(alone)} tokens alone (engine 0) and 4th of 8 (engine 1)"
 
 
+# ---- Context parallelism (issue 46): Transformer-Engine's CP attention against CP = 1.
+def _context_parallel_run(hf_dir: str, cp: int) -> dict:
+    """A bf16 actor (TE layer spec) on a CP group of `cp` ranks, one GPU each: log-probs and
+    entropy of packed multi-turn rows (tool observations masked), and one update's grad norm."""
+    from rlfactory_megatron.actor.actor import Actor
+    from rlfactory_megatron.bench.long_trajectory import trajectory_batch
+    from rlfactory_megatron.config import load_config
+    from rlfactory_megatron.models.builder import BuildOptions
+    from rlfactory_megatron.models.hf_arch import load_arch
+    from rlfactory_megatron.runtime.distributed import ParallelSizes, destroy_distributed, init_distributed
+
+    init_distributed(ParallelSizes(cp=cp), seed=0)
+    try:
+        cfg = load_config(overrides=[f"parallel.cp={cp}", "actor.max_tokens_per_microbatch=1024",
+                                     "actor.mini_batch_size=4", "actor.optim.lr=1e-5"])
+        arch = load_arch(hf_dir)
+        actor = Actor(cfg.actor, arch, hf_dir, BuildOptions(params_dtype="bfloat16"), total_steps=4)
+        batch = trajectory_batch(4, 1000, 200, arch.vocab_size)
+        old = actor.compute_log_probs(batch, with_entropy=True)
+        metrics = actor.update(batch.with_fields(old_log_probs=old["log_probs"]))
+        return {"log_probs": old["log_probs"], "entropy": old["entropy"], "grad_norm": metrics["actor/grad_norm"],
+                "mask": batch.loss_mask}
+    finally:
+        destroy_distributed()
+
+
+@check
+def te_context_parallel_attention_equals_cp1(ctx):
+    import torch
+
+    from rlfactory_megatron.runtime.distributed import spawn_local_workers
+
+    if torch.cuda.device_count() < 2:
+        raise Skip(f"a CP group of 2 needs 2 GPUs (NCCL takes one rank per device); this machine has "
+                      f"{torch.cuda.device_count()}")
+    one = spawn_local_workers(_context_parallel_run, 1, ctx.hf_dir, 1)[0]
+    two = spawn_local_workers(_context_parallel_run, 2, ctx.hf_dir, 2)
+    trained = one["mask"] > 0
+    worst = max((r[key] - one[key])[trained].abs().max().item() for r in two for key in ("log_probs", "entropy"))
+    norm = abs(two[0]["grad_norm"] - one["grad_norm"]) / one["grad_norm"]
+    # bf16: TE's CP attention sums its ring's steps in another order than one rank's kernel
+    assert worst <= 0.05, f"CP 2 vs CP 1 log-probs/entropy differ by {worst:.3f} nats"
+    assert norm <= 0.02, f"CP 2 vs CP 1 grad norm differs by {norm:.1%}"
+    return f"CP 2 vs CP 1 (bf16, TE): max |log-prob/entropy diff| {worst:.1e}, grad norm {norm:.1e} relative"
+
+
 class Context:
     def __init__(self, root: str, gpu: bool) -> None:
         import torch

@@ -6,6 +6,7 @@ change an update; tokens with loss_mask 0 contribute exactly nothing.
 """
 from __future__ import annotations
 
+import math
 import time
 from functools import partial
 from dataclasses import replace
@@ -41,11 +42,17 @@ def _dp() -> tuple[int, int]:
 
 def _plan(batch: RolloutBatch, max_tokens: int) -> MicroBatchPlan:
     rank, size = _dp()
+    # Context parallelism splits every sequence into 2 x cp chunks (its slot a multiple of that),
+    # and sequence parallelism each CP rank's share of the pack over the TP ranks.
+    ps = _parallel()
+    cp = ps.get_context_parallel_world_size()
+    align = 2 * cp if cp > 1 else 1
+    multiple = math.lcm(8, align, cp * ps.get_tensor_model_parallel_world_size())
     if not batch.dp_local:  # the whole batch on every rank: each takes its share
-        return plan_micro_batches(batch, max_tokens, rank, size)
+        return plan_micro_batches(batch, max_tokens, rank, size, multiple, align)
     # This DP rank's rows only: the ranks agree on the count of micro-batches and their padded
     # length (max) and on the mini-batch's normalizers (sum), as if they had cut one batch.
-    cuts, shape = local_cuts(batch, max_tokens)
+    cuts, shape = local_cuts(batch, max_tokens, align)
     agreed = torch.tensor(shape, dtype=torch.int64)
     if size > 1:
         group = _parallel().get_data_parallel_group(with_context_parallel=False)
@@ -54,7 +61,7 @@ def _plan(batch: RolloutBatch, max_tokens: int) -> MicroBatchPlan:
         dist.all_reduce(summed, group=group)
         agreed = torch.cat([maxed, summed])
     steps, longest, tokens, sequences = (int(v) for v in agreed)
-    return pack_plan(batch, cuts, steps, longest, tokens, sequences)
+    return pack_plan(batch, cuts, steps, longest, tokens, sequences, multiple, align)
 
 
 def _agg_options(plan: MicroBatchPlan, mode: str, norm_length: int | None) -> dict[str, Any]:

@@ -4,7 +4,9 @@ Token arrays are [B, T] (right-padded); every per-token quantity at index t belo
 i.e. to the prediction made at position t-1. Token 0 of a sequence is never trained on.
 Packing concatenates whole sequences into one row per micro-batch (no padding waste), with
 block-diagonal causal attention and per-sequence position ids, and cuts micro-batches by a
-token budget; loss normalization is global, so cuts never change an update.
+token budget; loss normalization is global, so cuts never change an update. Under context
+parallelism each sequence's slot is padded to a multiple of 2 x cp and every rank of the CP
+group runs its share of the pack's positions (models/context_parallel.py).
 """
 from __future__ import annotations
 
@@ -12,6 +14,9 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
+
+from rlfactory_megatron.models.context_parallel import ContextSplit
 
 # Per-token float arrays a batch may carry, all [B, T] and aligned to token t.
 TOKEN_FIELDS = ("loss_mask", "old_log_probs", "ref_log_probs", "values", "token_rewards", "advantages", "returns",
@@ -112,6 +117,11 @@ def dp_row_owners(lengths: list[int], mini_batch_size: int, dp_size: int) -> lis
     return owners
 
 
+def slot_length(length: int, align: int) -> int:
+    """Positions a sequence of `length` tokens takes in a pack whose slots are multiples of `align`."""
+    return -(-length // align) * align
+
+
 def cut_by_token_budget(lengths: list[int], rows: list[int], max_tokens: int) -> list[list[int]]:
     """`rows` cut into as few micro-batches as a greedy fill of `max_tokens` needs, balanced by
     tokens: every micro-batch is padded to the longest one, so a greedy fill's short last cut
@@ -148,6 +158,11 @@ class PackedMicroBatch:
     targets: torch.Tensor  # [1, L]: next token of the same sequence (0 where there is none)
     gather_index: torch.Tensor  # [k, T]: packed position whose output predicts token t of sequence j
     token_valid: torch.Tensor  # [k, T] bool: gather_index is meaningful (1 <= t < length)
+    slots: list[int]  # where each sequence's slot starts, then where the last one ends (the packed tail's start)
+    align: int = 1  # every slot's length is a multiple of this (2 x cp)
+    # Context parallelism: the positions (of input_ids, position_ids, segment, targets) are this
+    # rank's share of the pack's (see context_shard); gather_index still indexes the whole pack.
+    context: Optional[ContextSplit] = None
 
     @property
     def attention_mask(self) -> torch.Tensor:
@@ -157,24 +172,45 @@ class PackedMicroBatch:
         causal = torch.ones(length, length, dtype=torch.bool, device=self.segment.device).tril()
         return ~(causal & (self.segment[:, None] == self.segment[None, :]))[None, None]
 
-    def as_model_batch(self, thd: bool = False, tail_chunk: int = 64) -> dict[str, Any]:
-        """Model inputs. `thd`: Transformer-Engine attention takes sequence boundaries (cu_seqlens)
-        instead of a block mask; the padded tail counts as sequences of `tail_chunk` tokens (as
-        one sequence it would cost attention quadratic in its length, for outputs nobody reads)."""
+    def thd_bounds(self, tail_chunk: int = 64) -> list[int]:
+        """THD sequence boundaries (cu_seqlens): every sequence's slot, then the padded tail as
+        sequences of `tail_chunk` positions (as one sequence it would cost attention quadratic in
+        its length, for outputs nobody reads), rounded up to the slots' multiple."""
+        tail_chunk = slot_length(tail_chunk, self.align)
+        return self.slots[:-1] + list(range(self.slots[-1], self.input_ids.shape[1], tail_chunk)) + [
+            self.input_ids.shape[1]]
+
+    def as_model_batch(self, thd: bool = False, tail_chunk: int = 64,
+                       context_group: Optional[dist.ProcessGroup] = None) -> dict[str, Any]:
+        """Model inputs. `thd`: Transformer-Engine attention and local_sdpa take sequence
+        boundaries (cu_seqlens, thd_bounds) instead of a block mask. `context_group`: a CP group of
+        more than one rank, among which the pack's positions are split (THD only): the inputs and
+        the "packed" micro-batch are this rank's share; the boundaries stay the whole pack's."""
         batch = {"input_ids": self.input_ids, "position_ids": self.position_ids, "packed": self}
         if not thd:
+            if context_group is not None:
+                raise ValueError("context parallelism needs packed THD attention (model.layer_spec local_sdpa or "
+                                 "transformer_engine)")
             batch["attention_mask"] = self.attention_mask
             return batch
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        starts = (self.position_ids[0] == 0).nonzero().flatten().tolist()
-        used = int(self.token_valid.sum()) + len(self.rows)  # tokens of the packed sequences
-        bounds = [s for s in starts if s < used] + list(range(used, self.input_ids.shape[1], tail_chunk))
-        cu = torch.tensor(bounds + [self.input_ids.shape[1]], dtype=torch.int32, device=self.input_ids.device)
+        bounds = self.thd_bounds(tail_chunk)
+        cu = torch.tensor(bounds, dtype=torch.int32, device=self.input_ids.device)
         longest = int((cu[1:] - cu[:-1]).max())
         batch["packed_seq_params"] = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                                      max_seqlen_q=longest, max_seqlen_kv=longest)
+        if context_group is not None:
+            shard = self.context_shard(ContextSplit.of(bounds, context_group, self.input_ids.device))
+            batch.update(input_ids=shard.input_ids, position_ids=shard.position_ids, packed=shard)
         return batch
+
+    def context_shard(self, split: ContextSplit) -> "PackedMicroBatch":
+        """This CP rank's share of the pack: its positions of the per-position inputs; unpack()
+        gathers per-position outputs back from the whole group."""
+        mine = split.positions
+        return replace(self, input_ids=self.input_ids[:, mine], position_ids=self.position_ids[:, mine],
+                       segment=self.segment[mine], targets=self.targets[:, mine], context=split)
 
     def to(self, device: torch.device) -> "PackedMicroBatch":
         """The same micro-batch with its tensors on `device` (the model's)."""
@@ -185,14 +221,19 @@ class PackedMicroBatch:
         return PackedMicroBatch(**moved)
 
     def unpack(self, per_position: torch.Tensor) -> torch.Tensor:
-        """[1, L] per-position outputs -> [k, T] per-token values (0 where not valid)."""
-        gathered = per_position[0][self.gather_index]
+        """[1, L] per-position outputs -> [k, T] per-token values (0 where not valid). A CP
+        shard's [1, L / cp] outputs are all-gathered from its group first (differentiably)."""
+        positions = per_position[0] if self.context is None else self.context.gather(per_position[0])
+        gathered = positions[self.gather_index]
         return torch.where(self.token_valid, gathered, torch.zeros((), dtype=gathered.dtype, device=gathered.device))
 
 
-def pack_rows(batch: RolloutBatch, rows: list[int], padded_length: int) -> PackedMicroBatch:
+def pack_rows(batch: RolloutBatch, rows: list[int], padded_length: int, align: int = 1) -> PackedMicroBatch:
+    """`rows` back to back in one row of `padded_length` positions, each in a slot of a multiple of
+    `align` positions (its padding continues its positions and segment; causal attention never
+    lets a real token see it)."""
     lengths = [int(batch.lengths[r]) for r in rows]
-    used = sum(lengths)
+    used = sum(slot_length(n, align) for n in lengths)
     if used > padded_length:
         raise ValueError(f"micro-batch of {used} tokens does not fit padded length {padded_length}")
     width = max(lengths)
@@ -203,20 +244,24 @@ def pack_rows(batch: RolloutBatch, rows: list[int], padded_length: int) -> Packe
     gather_index = torch.zeros(len(rows), width, dtype=torch.long)
     token_valid = torch.zeros(len(rows), width, dtype=torch.bool)
     start = 0
+    slots = []
     for j, (row, n) in enumerate(zip(rows, lengths)):
         tokens = batch.input_ids[row, :n]
+        slot = slot_length(n, align)
         input_ids[0, start : start + n] = tokens
-        position_ids[0, start : start + n] = torch.arange(n)
+        position_ids[0, start : start + slot] = torch.arange(slot)
         targets[0, start : start + n - 1] = tokens[1:]
-        segment[start : start + n] = j
+        segment[start : start + slot] = j
         gather_index[j, 1:n] = torch.arange(start, start + n - 1)
         token_valid[j, 1:n] = True
-        start += n
+        slots.append(start)
+        start += slot
     # Padding positions form one-token segments of their own, so no attention row is empty.
     pad = torch.arange(used, padded_length)
     segment[used:] = len(rows) + pad
     position_ids[0, used:] = 0
-    return PackedMicroBatch(rows, input_ids, position_ids, segment, targets, gather_index, token_valid)
+    return PackedMicroBatch(rows, input_ids, position_ids, segment, targets, gather_index, token_valid,
+                            slots + [used], align)
 
 
 @dataclass
@@ -230,30 +275,31 @@ class MicroBatchPlan:
 
 
 def plan_micro_batches(batch: RolloutBatch, max_tokens: int, dp_rank: int, dp_size: int,
-                       pad_to_multiple: int = 8) -> MicroBatchPlan:
-    """Balance rows across DP ranks by tokens, cut each rank's rows by `max_tokens`, pack them.
+                       pad_to_multiple: int = 8, align: int = 1) -> MicroBatchPlan:
+    """Balance rows across DP ranks by tokens, cut each rank's rows by `max_tokens`, pack them
+    (in slots of a multiple of `align` positions, which the cuts count).
 
     Every rank computes the same cuts (the batch is identical on all ranks), so all micro-batches
     get one padded length (pipeline stages exchange fixed shapes) and every rank runs the same
     number of micro-batches (empty cuts get a padding-only micro-batch).
     """
-    lengths = [int(n) for n in batch.lengths]
-    _check_fits(lengths, max_tokens)
+    _check_fits([int(n) for n in batch.lengths], max_tokens)
+    lengths = [slot_length(int(n), align) for n in batch.lengths]
     per_rank = [cut_by_token_budget(lengths, rows, max_tokens) for rows in balanced_partition(lengths, dp_size)]
     steps = max(len(cuts) for cuts in per_rank)
     longest = max(sum(lengths[r] for r in cut) for cuts in per_rank for cut in cuts)
     mask = batch.loss_mask > 0
     return pack_plan(batch, per_rank[dp_rank], steps, longest, int(mask.sum()), int(mask.any(-1).sum()),
-                     pad_to_multiple)
+                     pad_to_multiple, align)
 
 
-def local_cuts(batch: RolloutBatch, max_tokens: int) -> tuple[list[list[int]], list[int]]:
+def local_cuts(batch: RolloutBatch, max_tokens: int, align: int = 1) -> tuple[list[list[int]], list[int]]:
     """A DP-local batch's micro-batch cuts, and [cuts, longest cut, loss tokens, trained
     sequences]: what the DP ranks agree on (max, max, sum, sum) before `pack_plan`."""
-    lengths = [int(n) for n in batch.lengths]
-    if not lengths:
+    if not len(batch.lengths):
         return [], [0, 0, 0, 0]
-    _check_fits(lengths, max_tokens)
+    _check_fits([int(n) for n in batch.lengths], max_tokens)
+    lengths = [slot_length(int(n), align) for n in batch.lengths]
     cuts = cut_by_token_budget(lengths, list(range(len(lengths))), max_tokens)
     mask = batch.loss_mask > 0
     return cuts, [len(cuts), max(sum(lengths[r] for r in cut) for cut in cuts), int(mask.sum()),
@@ -261,11 +307,11 @@ def local_cuts(batch: RolloutBatch, max_tokens: int) -> tuple[list[list[int]], l
 
 
 def pack_plan(batch: RolloutBatch, cuts: list[list[int]], steps: int, longest: int, num_tokens: int,
-              num_sequences: int, pad_to_multiple: int = 8) -> MicroBatchPlan:
+              num_sequences: int, pad_to_multiple: int = 8, align: int = 1) -> MicroBatchPlan:
     """This rank's `cuts` packed to one padded length, padded to `steps` micro-batches."""
-    padded = -(-max(longest, 1) // pad_to_multiple) * pad_to_multiple
+    padded = slot_length(max(longest, 1), pad_to_multiple)
     mine = cuts + [[]] * (steps - len(cuts))
-    micro = [pack_rows(batch, cut, padded) if cut else _padding_only(padded) for cut in mine]
+    micro = [pack_rows(batch, cut, padded, align) if cut else _padding_only(padded, align) for cut in mine]
     return MicroBatchPlan(micro, padded, num_tokens, num_sequences)
 
 
@@ -275,7 +321,7 @@ def _check_fits(lengths: list[int], max_tokens: int) -> None:
                          "raise it or lower rollout.max_prompt_tokens + rollout.max_response_tokens")
 
 
-def _padding_only(padded_length: int) -> PackedMicroBatch:
+def _padding_only(padded_length: int, align: int = 1) -> PackedMicroBatch:
     zeros = torch.zeros(1, padded_length, dtype=torch.long)
     empty = torch.zeros(0, 1, dtype=torch.long)
-    return PackedMicroBatch([], zeros, zeros, torch.arange(padded_length), zeros, empty, empty.bool())
+    return PackedMicroBatch([], zeros, zeros, torch.arange(padded_length), zeros, empty, empty.bool(), [0], align)

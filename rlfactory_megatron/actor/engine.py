@@ -76,7 +76,9 @@ class MegatronEngine:
         """All micro-batches of `plan` through the pipeline; returns metrics (last stage only)."""
         self.host.onload(("params",) if forward_only else KINDS)
         device = compute_device()
-        batches = [mb.to(device).as_model_batch(thd=self.thd_attention) for mb in plan.micro_batches]
+        context = _context_parallel_group()
+        batches = [mb.to(device).as_model_batch(thd=self.thd_attention, context_group=context)
+                   for mb in plan.micro_batches]
 
         def adapt(batch, output):
             return loss_fn(batch["packed"], output)
@@ -229,6 +231,14 @@ class MegatronEngine:
             if self.distributed_optimizer:
                 _steps_from_param_groups(self.optimizer)
             self.scheduler.load_state_dict(state["scheduler"])
+
+
+def _context_parallel_group() -> dist.ProcessGroup | None:
+    """The CP group among which each micro-batch's positions are split; None without CP."""
+    from megatron.core import parallel_state
+
+    return (parallel_state.get_context_parallel_group()
+            if parallel_state.get_context_parallel_world_size() > 1 else None)
 
 
 def _build_optimizer(chunks, optim_cfg, distributed_optimizer: bool):

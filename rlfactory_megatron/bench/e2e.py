@@ -228,7 +228,7 @@ def _run_ours_rank(config_file: str, hf_dir: str, warmup: int) -> SideResult:
     from rlfactory_megatron.trainer.trainer import Trainer
 
     cfg = load_config(config_file)
-    init_distributed(ParallelSizes(cfg.parallel.tp, cfg.parallel.pp), seed=cfg.trainer.seed)
+    init_distributed(ParallelSizes.of(cfg.parallel), seed=cfg.trainer.seed)
     result = SideResult()
     trainer = None
     try:
@@ -289,8 +289,8 @@ def run_ours(s: Settings, model_path: str, overrides: list[str]) -> SideResult:
         "actor.ppo_epochs=1", f"trainer.seed={s.seed}", f"trainer.total_steps={s.warmup + s.steps}",
         "trainer.sft_steps=0", "trainer.val_every=0", "trainer.save_every=0", "trainer.resume=never",
         f"trainer.output_dir={s.workdir / 'ours'}", "logging.tensorboard=false"])
-    if cfg.parallel.tp * cfg.parallel.pp != 1:
-        raise ValueError("rlf-bench e2e runs data-parallel ranks only: keep parallel.tp=1 and parallel.pp=1")
+    if cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp != 1:
+        raise ValueError("rlf-bench e2e runs data-parallel ranks only: keep parallel.tp, parallel.pp and parallel.cp at 1")
     config_file = s.workdir / "ours.yaml"
     config_file.write_text(to_yaml(cfg))
     return run_as_job(_run_ours_rank, s.ranks, str(config_file), s.hf_dir, s.warmup)[0]

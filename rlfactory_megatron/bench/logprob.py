@@ -1,15 +1,13 @@
 """`rlf-bench logprob`: peak memory and time of the fused log-prob/entropy vs the naive full-logits path.
 
 Each (T, V) case runs in a fresh subprocess that times a forward+backward of both paths, one after
-the other. Peak memory on CPU: /proc/self/status VmHWM after resetting the high-water mark
-(`clear_refs` 5), minus RSS at the reset (torch has no CPU allocator stats), with glibc told to
-mmap every block >= 1 MiB so that freed tensors leave RSS at once; on CUDA:
-torch.cuda.max_memory_allocated minus memory allocated before the step.
+the other. Peak memory (bench/memory.py): on CPU VmHWM above RSS at the step's start, with glibc
+told to give every freed block >= 1 MiB back at once; on CUDA torch.cuda.max_memory_allocated
+above the memory allocated before the step.
 """
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -17,6 +15,7 @@ from functools import partial
 
 import torch
 
+from rlfactory_megatron.bench.memory import RETURN_FREED_MEMORY_ENV, peak, reset_peak
 from rlfactory_megatron.kernels import fused_logprob_entropy, naive_logprob_entropy
 
 MiB = 1 << 20
@@ -44,29 +43,6 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _cpu_memory() -> tuple[int, int]:
-    status = open("/proc/self/status").read()
-    return tuple(int(re.search(rf"{key}:\s+(\d+) kB", status).group(1)) * 1024 for key in ("VmHWM", "VmRSS"))
-
-
-def _reset_peak(device: torch.device) -> int:
-    """Reset the peak-memory mark; return the memory in use now (the baseline)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        return torch.cuda.memory_allocated(device)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _cpu_memory()[1]
-
-
-def _peak(device: torch.device) -> int:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device)
-    return _cpu_memory()[0]
-
-
 def _step(fn, hidden, weight, targets) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward + backward of sum(logp) + sum(entropy), the shape of an actor's training step."""
     h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
@@ -91,13 +67,13 @@ def _run_case(T: int, V: int, paths: list[str], args: argparse.Namespace) -> dic
     best = {name: {"time_s": float("inf"), "peak_mib": 0.0} for name in paths}
     for _ in range(args.repeats):  # interleaved, so a burst of load elsewhere hits both paths alike
         for name in paths:
-            base = _reset_peak(device)
+            base = reset_peak(device)
             start = time.perf_counter()
             out[name] = _step(fns[name], hidden, weight, targets)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             best[name]["time_s"] = min(best[name]["time_s"], time.perf_counter() - start)
-            best[name]["peak_mib"] = max(best[name]["peak_mib"], (_peak(device) - base) / MiB)
+            best[name]["peak_mib"] = max(best[name]["peak_mib"], (peak(device) - base) / MiB)
     result.update(best)
     if len(out) == 2:
         result["max_abs_diff"] = max((a - b).abs().max().item() for a, b in zip(out["fused"], out["naive"]))
@@ -128,9 +104,7 @@ def _cases(args: argparse.Namespace) -> tuple[list[tuple[int, int, int]], list[s
 
 def _spawn(T: int, V: int, paths: list[str], argv: list[str]) -> dict:
     cmd = [sys.executable, "-m", "rlfactory_megatron.bench.logprob", *argv, "--case", f"{T},{V},{'+'.join(paths)}"]
-    # Without a fixed threshold glibc keeps freed mid-sized blocks in its heap, and RSS
-    # would count them as live: the fused path's 16 MiB chunks read as 300 MiB instead of 50.
-    env = {"MALLOC_MMAP_THRESHOLD_": str(MiB), **os.environ}
+    env = {**RETURN_FREED_MEMORY_ENV, **os.environ}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"case T={T} V={V} failed:\n{proc.stderr[-2000:]}")

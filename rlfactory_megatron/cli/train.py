@@ -3,7 +3,7 @@
 Config errors, model/parallel mismatches and data the run cannot use (prompts over
 rollout.max_prompt_tokens, a warm-start without demonstrations, a data_source without a scorer)
 are reported before any process group, model, engine or Ray starts.
-Under torchrun/srun/mpirun every process is one rank; started by hand it runs tp*pp local ranks.
+Under torchrun/srun/mpirun every process is one rank; started by hand it runs tp*pp*cp local ranks.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def _train(cfg, hf_dir: str) -> dict:
     from rlfactory_megatron.trainer.trainer import Trainer
 
     ignore_usr1_in_helpers()  # before Ray, vLLM and tools start (runtime/stop.py)
-    init_distributed(ParallelSizes(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp), seed=cfg.trainer.seed)
+    init_distributed(ParallelSizes.of(cfg.parallel), seed=cfg.trainer.seed)
     trainer = None
     failed = True
     try:
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         launch = detect_launch_env()
         # Before the config is loaded: checking it imports torch. Started by hand, this process
-        # is the one rank (revised below for the ranks it spawns when tp*pp > 1).
+        # is the one rank (revised below for the ranks it spawns when tp*pp*cp > 1).
         chosen = choose_threads(launch.local_world_size if launch.launcher != "single" else 1)
         # A plan is for the GPUs the job will run on: on a machine without one (a login node),
         # `auto` is resolved as a GPU node with the GPU stack resolves it.
@@ -98,16 +98,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(to_yaml(cfg))
             return 0
-        if chosen and launch.launcher == "single" and cfg.parallel.tp * cfg.parallel.pp > 1:
-            chosen = choose_threads(cfg.parallel.tp * cfg.parallel.pp, chosen_before=True)  # fresh processes read it
+        from rlfactory_megatron.runtime.distributed import ParallelSizes, run_as_job
+
+        model_ranks = ParallelSizes.of(cfg.parallel).model_ranks  # the ranks started by hand
+        if chosen and launch.launcher == "single" and model_ranks > 1:
+            chosen = choose_threads(model_ranks, chosen_before=True)  # fresh processes read it
         if chosen and launch.local_rank == 0:
             print(f"rlf-train: {chosen}")
         from rlfactory_megatron.models.resolve import resolve_model_path
-        from rlfactory_megatron.runtime.distributed import run_as_job
 
         hf_dir = resolve_model_path(cfg.model.path)
         arch = load_arch(hf_dir)
-        world = launch.world_size if launch.launcher != "single" else cfg.parallel.tp * cfg.parallel.pp
+        world = launch.world_size if launch.launcher != "single" else model_ranks
         if args.world_size is not None:
             if not args.plan or args.world_size < 1:
                 raise ConfigError(f"--world-size {args.world_size}: give --plan a job size >= 1 to plan for")
@@ -132,12 +134,13 @@ def main(argv: list[str] | None = None) -> int:
         if launch.rank == 0:
             (output / "config.yaml").write_text(config_yaml)
             print(f"rlf-train: {cfg.trainer.algorithm} on {arch.model_type} ({arch.num_layers} layers) from {hf_dir}; "
-                  f"tp={cfg.parallel.tp} pp={cfg.parallel.pp} on {world} rank(s); outputs in {output.resolve()}")
+                  f"tp={cfg.parallel.tp} pp={cfg.parallel.pp}{f' cp={cfg.parallel.cp}' if cfg.parallel.cp > 1 else ''} "
+                  f"on {world} rank(s); outputs in {output.resolve()}")
             print(plan.summary())
             print(f"rlf-train: {prompts}")
             if not verbose:
                 print(f"rlf-train: library output goes to {output / 'logs'} (--verbose shows it here)")
-        results = run_as_job(_train_rank, cfg.parallel.tp * cfg.parallel.pp, config_yaml, str(hf_dir), verbose)
+        results = run_as_job(_train_rank, model_ranks, config_yaml, str(hf_dir), verbose)
     except (ConfigError, UnsupportedCheckpointError, ValueError) as exc:
         print(f"rlf-train: error: {exc}", file=sys.stderr)
         return 2

@@ -23,7 +23,7 @@ CHOICES: dict[str, tuple] = {
     "tools.turn_schedule": ("per_sample", "lockstep"),
     "logging.wandb_mode": ("online", "offline"),
 }
-POSITIVE_INTS = ("parallel.tp", "parallel.pp", "rollout.n", "rollout.tp", "actor.ppo_epochs",
+POSITIVE_INTS = ("parallel.tp", "parallel.pp", "parallel.cp", "rollout.n", "rollout.tp", "actor.ppo_epochs",
                  "actor.mini_batch_size", "actor.max_tokens_per_microbatch", "trainer.total_steps",
                  "trainer.prompts_per_step", "weight_sync.bucket_mb", "tools.max_turns", "trainer.sft_batch_size",
                  "trainer.max_skipped_updates", "rollout.max_prompt_tokens", "rollout.max_response_tokens",
@@ -159,9 +159,30 @@ def validate_static(cfg) -> None:
                           "(trainer.sft_steps=0); set trainer.sft_steps > 0 or trainer.sft_cache=null")
     if cfg.parallel.vpp is not None and cfg.parallel.pp < 2:
         raise ConfigError(f"parallel.vpp={cfg.parallel.vpp} needs parallel.pp >= 2 (or set parallel.vpp=null)")
+    _check_context_parallel(cfg)
     _check_rewards_and_tools(cfg)
     _check_wandb(cfg.logging)
     _check_memory_keys(cfg)
+
+
+def _check_context_parallel(cfg) -> None:
+    """CP splits packed THD sequences (each into 2 x cp chunks): an attention that takes them, and
+    a token budget that splits evenly."""
+    from rlfactory_megatron.runtime.cpu_compat import cuda_available
+
+    cp = cfg.parallel.cp
+    if cp == 1:
+        return
+    spec = cfg.model.layer_spec
+    if spec == "local" or (spec == "local_sdpa" and cuda_available()):
+        where = " on GPU" if spec == "local_sdpa" else ""
+        raise ConfigError(f"parallel.cp={cp} needs an attention that splits packed sequences over the CP group, and "
+                          f"model.layer_spec={spec} has none{where}; use model.layer_spec=auto (transformer_engine "
+                          "on GPU, local_sdpa on CPU)")
+    budget = cfg.actor.max_tokens_per_microbatch
+    if budget % (2 * cp):
+        raise ConfigError(f"actor.max_tokens_per_microbatch={budget} must be a multiple of 2 x parallel.cp = {2 * cp} "
+                          f"(every sequence is split into 2 x cp chunks); use {-(-budget // (2 * cp)) * 2 * cp}")
 
 
 def _check_wandb(logging) -> None:
@@ -318,6 +339,7 @@ def _check_asynchronous(cfg) -> None:
 def validate_against_model(cfg, arch, world_size: int) -> None:
     """Checks that need the model's shape and the job's size; run before initializing anything."""
     tp, pp, vpp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp
+    cp = OmegaConf.select(cfg, "parallel.cp", default=1)
     # (rlf-convert checks a model layout alone: a config without a rollout section)
     if OmegaConf.select(cfg, "rollout.mode") == "colocated":
         if world_size % cfg.rollout.tp != 0:
@@ -337,10 +359,10 @@ def validate_against_model(cfg, arch, world_size: int) -> None:
             raise ConfigError(f"rollout.max_prompt_tokens + rollout.max_response_tokens = {context} exceeds the "
                               f"model's context of {arch.max_position_embeddings} tokens (max_position_embeddings); "
                               "lower them")
-    if world_size % (tp * pp) != 0:
+    if world_size % (tp * pp * cp) != 0:
         raise ConfigError(
-            f"world size {world_size} is not divisible by parallel.tp*parallel.pp={tp}*{pp}; "
-            f"use tp*pp in {{{', '.join(str(d) for d in _divisors(world_size))}}}"
+            f"world size {world_size} is not divisible by parallel.tp*parallel.pp*parallel.cp={tp}*{pp}*{cp}; "
+            f"use tp*pp*cp in {{{', '.join(str(d) for d in _divisors(world_size))}}}"
         )
     if arch.num_heads % tp != 0:
         raise ConfigError(f"parallel.tp={tp} does not divide the model's {arch.num_heads} attention heads; "

@@ -22,9 +22,13 @@ class ModelConfig:
 @dataclass
 class ParallelConfig:
     tp: int = 1  # tensor-parallel size of the actor, critic and reference (divides the heads)
-    pp: int = 1  # pipeline stages (divides the layers with vpp); dp = world / (tp * pp)
+    pp: int = 1  # pipeline stages (divides the layers with vpp); dp = world / (tp * pp * cp)
     vpp: Optional[int] = None  # virtual pipeline stages per rank (interleaved schedule; needs pp >= 2)
     sequence_parallel: bool = False  # megatron sequence parallelism within the TP group (tp >= 2)
+    # Context-parallel ranks: every packed sequence's tokens are split among them (2 x cp chunks,
+    # balanced for causal attention) and attention spans the group; dp = world / (tp * pp * cp).
+    # For long trajectories: each rank keeps 1/cp of a micro-batch's activations.
+    cp: int = 1
     # Memory of one training GPU in GiB, which the memory plan (rlf-train --plan, and every run's
     # start-up) must fit: on a GPU, the device's own or this if smaller; on a machine without one,
     # the GPU to plan for (null there: the plan is shown, not checked).

@@ -108,6 +108,7 @@ def transformer_config(arch: ModelArch, options: BuildOptions):
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         virtual_pipeline_model_parallel_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+        context_parallel_size=parallel_state.get_context_parallel_world_size(),
         sequence_parallel=options.sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,

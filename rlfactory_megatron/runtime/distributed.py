@@ -28,9 +28,20 @@ class ParallelSizes:
     tp: int = 1
     pp: int = 1
     vpp: int | None = None  # virtual pipeline stages per rank (interleaved schedule)
+    cp: int = 1  # context-parallel ranks, among which every sequence's tokens are split
+
+    @classmethod
+    def of(cls, parallel) -> "ParallelSizes":
+        """The sizes a config's `parallel` section names."""
+        return cls(parallel.tp, parallel.pp, parallel.vpp, parallel.cp)
+
+    @property
+    def model_ranks(self) -> int:
+        """Ranks that hold one copy of the model between them (tp x pp x cp): the world is a multiple."""
+        return self.tp * self.pp * self.cp
 
     def dp(self, world_size: int) -> int:
-        return world_size // (self.tp * self.pp)
+        return world_size // self.model_ranks
 
 
 def init_distributed(
@@ -39,15 +50,15 @@ def init_distributed(
     launch: LaunchEnv | None = None,
     timeout_s: int = 1800,
 ) -> LaunchEnv:
-    """Initialize torch.distributed and megatron-core model parallelism for (tp, pp, dp)."""
+    """Initialize torch.distributed and megatron-core model parallelism for (tp, cp, pp, dp)."""
     from megatron.core import parallel_state, tensor_parallel
 
     launch = launch or detect_launch_env()
     world = launch.world_size
-    if world % (sizes.tp * sizes.pp) != 0:
+    if world % sizes.model_ranks != 0:
         raise ValueError(
-            f"world size {world} is not divisible by parallel.tp*parallel.pp = {sizes.tp}*{sizes.pp}; "
-            "change parallel.tp/parallel.pp or the number of processes"
+            f"world size {world} is not divisible by parallel.tp*parallel.pp*parallel.cp = "
+            f"{sizes.tp}*{sizes.pp}*{sizes.cp}; change parallel.tp/parallel.pp/parallel.cp or the number of processes"
         )
     on_gpu = cuda_available()
     if on_gpu:
@@ -72,6 +83,7 @@ def init_distributed(
             tensor_model_parallel_size=sizes.tp,
             pipeline_model_parallel_size=sizes.pp,
             virtual_pipeline_model_parallel_size=sizes.vpp,
+            context_parallel_size=sizes.cp,
         )
     seed_everything(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -163,7 +175,8 @@ def run_as_job(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]
     launch = detect_launch_env()
     if launch.launcher != "single":
         if launch.world_size % world_size:
-            raise ValueError(f"launcher world size {launch.world_size} is not a multiple of tp*pp={world_size}")
+            raise ValueError(f"launcher world size {launch.world_size} is not a multiple of the {world_size} ranks "
+                             "one model copy needs (tp*pp, times cp for training)")
         return [fn(*args)]
     if world_size == 1:
         return [fn(*args)]  # this process is the rank; it hosts its own store (init_distributed)

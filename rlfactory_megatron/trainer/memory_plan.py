@@ -138,17 +138,19 @@ def _device(cfg, detected_bytes: int | None) -> tuple[float | None, str]:
 
 def _stage_plan(cfg, arch, world: int, stage: int, device_bytes: float | None, source: str) -> MemoryPlan:
     """The plan on the devices of pipeline stage `stage`."""
+    from rlfactory_megatron.runtime.distributed import ParallelSizes
     from rlfactory_megatron.trainer.presets import trains_critic
 
-    tp, pp = cfg.parallel.tp, cfg.parallel.pp
-    dp = max(1, world // (tp * pp))
+    tp, pp, cp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp
+    dp = max(1, ParallelSizes.of(cfg.parallel).dp(world))
     element = ELEMENT_SIZE[cfg.model.params_dtype]
     dtype = cfg.model.params_dtype
     colocated = cfg.rollout.mode == "colocated"
     params = arch.parameter_count(tp, pp, stage)
-    actor = _model_state("actor", cfg.actor.optim, params, element, dtype, dp)
+    # CP ranks hold whole copies of their stage's weights; the distributed optimizer shards over dp x cp.
+    actor = _model_state("actor", cfg.actor.optim, params, element, dtype, dp * cp)
     critic = (_model_state("critic", cfg.critic.optim, arch.parameter_count(tp, pp, stage, value_head=True), element,
-                           dtype, dp) if trains_critic(cfg) else [])
+                           dtype, dp * cp) if trains_critic(cfg) else [])
     reference = ([Term(f"reference weights ({dtype})", params * element, ("actor.kl_loss_coef=0", LAYOUT_KEYS))]
                  if cfg.actor.kl_loss_coef > 0 else [])
     runtime = Term("CUDA/NCCL runtime (allowance)", RUNTIME_ALLOWANCE)
@@ -170,7 +172,7 @@ def _stage_plan(cfg, arch, world: int, stage: int, device_bytes: float | None, s
     engine, refusal = _engine(cfg, arch, engine_weights, element, device_bytes)
     holds = f"pipeline stage {stage + 1} of {pp} holds" if pp > 1 else "each rank holds"
     layout = (f"{arch.model_type} ({arch.num_layers} layers, {engine_params / 1e9:.2f}B parameters); tp={tp} pp={pp} "
-              f"dp={dp} ({world} ranks); {holds} {params / 1e9:.2f}B")
+              f"{f'cp={cp} ' if cp > 1 else ''}dp={dp} ({world} ranks); {holds} {params / 1e9:.2f}B")
     return MemoryPlan({"training": training, "generation": [*resident, runtime], "weight sync": sync}, device_bytes,
                       source, layout, engine, cfg.rollout.gpu_memory_utilization if colocated else 0.0, refusal)
 
@@ -178,17 +180,19 @@ def _stage_plan(cfg, arch, world: int, stage: int, device_bytes: float | None, s
 LAYOUT_KEYS = "a larger parallel.tp or parallel.pp"
 
 
-def _model_state(who: str, optim, params: int, element: int, dtype: str, dp: int) -> list[Term]:
-    """Weights, fp32 gradients and optimizer states of a trained model on one device."""
+def _model_state(who: str, optim, params: int, element: int, dtype: str, shards: int) -> list[Term]:
+    """Weights, fp32 gradients and optimizer states of a trained model on one device, with `shards`
+    ranks holding the same weights (data and context parallel)."""
     # fp32 main parameters when the weights are 16-bit, and Adam's two moments; the distributed
-    # optimizer shards them over the DP ranks (gradients and weights stay whole).
+    # optimizer shards them over those ranks (gradients and weights stay whole).
     per_param = (4 if element < 4 else 0) + 8
-    sharded = optim.use_distributed_optimizer and dp > 1
-    distribute = (f"{who}.optim.use_distributed_optimizer=true",) if dp > 1 and not sharded else ()
-    what = ("fp32 main params + Adam moments" if element < 4 else "Adam moments") + (f", 1/{dp} each" if sharded else "")
+    sharded = optim.use_distributed_optimizer and shards > 1
+    distribute = (f"{who}.optim.use_distributed_optimizer=true",) if shards > 1 and not sharded else ()
+    what = ("fp32 main params + Adam moments" if element < 4 else "Adam moments") + (
+        f", 1/{shards} each" if sharded else "")
     return [Term(f"{who} weights ({dtype})", params * element, (LAYOUT_KEYS,)),
             Term(f"{who} gradients (fp32)", params * 4, (LAYOUT_KEYS,)),
-            Term(f"{who} optimizer ({what})", params * per_param / (dp if sharded else 1), (*distribute, LAYOUT_KEYS))]
+            Term(f"{who} optimizer ({what})", params * per_param / (shards if sharded else 1), (*distribute, LAYOUT_KEYS))]
 
 
 def _lowered_by(terms: list[Term], keys: tuple[str, ...]) -> list[Term]:
@@ -203,11 +207,12 @@ def _activations(cfg, arch, stage: int, element: int) -> Term:
     megatron's unfused SwiGLU keeps (the builder turns fusions off): its input, silu(gate), the
     linear half plus its offset, and their product; times the layers whose micro-batches wait for
     their backward pass on this stage; with recompute only each layer's input plus one layer
-    recomputed; on the last stage, the log-prob's buffers."""
+    recomputed; on the last stage, the log-prob's buffers. Per token of this rank's share of the
+    micro-batch: 1/cp of it under context parallelism (keys and values travel, only the rank's own stay)."""
     from rlfactory_megatron.kernels.logprob.fused import default_chunk_size
 
-    tp, pp, vpp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp or 1
-    tokens = cfg.actor.max_tokens_per_microbatch
+    tp, pp, vpp, cp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp or 1, cfg.parallel.cp
+    tokens = cfg.actor.max_tokens_per_microbatch // cp
     sp = tp if cfg.parallel.sequence_parallel else 1
     h, hd = arch.hidden_size, arch.head_dim
     heads, kv = arch.num_heads // tp, arch.num_kv_heads // tp
@@ -218,7 +223,7 @@ def _activations(cfg, arch, stage: int, element: int) -> Term:
     # the interleaved schedule's, in chunks of num_layers / (pp * vpp) layers) plus one.
     warmup = (pp - stage - 1) * 2 + (vpp - 1) * pp if vpp > 1 else pp - stage - 1
     waiting = (warmup + 1) * arch.num_layers / (pp * vpp)
-    keys = ["a smaller actor.max_tokens_per_microbatch"]
+    keys = ["a smaller actor.max_tokens_per_microbatch", "a larger parallel.cp"]
     if cfg.model.recompute_activations:
         total = tokens * (waiting * element * h / sp + layer)
     else:
@@ -235,7 +240,8 @@ def _activations(cfg, arch, stage: int, element: int) -> Term:
             total += tokens * vocab * (element + 8)  # logits, fp32 log-softmax and its gradient
             keys.append("actor.use_fused_logprob=true")
     recompute = ", recompute" if cfg.model.recompute_activations else ""
-    return Term(f"activations ({tokens} tokens{recompute})", total, tuple(keys))
+    share = f" of {cfg.actor.max_tokens_per_microbatch} over cp={cp}" if cp > 1 else ""
+    return Term(f"activations ({tokens} tokens{share}{recompute})", total, tuple(keys))
 
 
 def _engine(cfg, arch, weights: float, element: int, device_bytes: float | None) -> tuple[str, str | None]:

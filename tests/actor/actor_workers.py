@@ -37,9 +37,10 @@ def actor_config(**overrides):
 
 
 def update_worker(hf_dir: str, tp: int, pp: int, overrides: dict, perturb_masked: bool = False,
-                  checkpoint: str | None = None, resume_from: str | None = None, layer_spec: str = "auto") -> dict:
+                  checkpoint: str | None = None, resume_from: str | None = None, layer_spec: str = "auto",
+                  cp: int = 1) -> dict:
     """Build an actor, compute old/ref log-probs, run one update (+ a second after save/load)."""
-    init_distributed(ParallelSizes(tp, pp), seed=7)
+    init_distributed(ParallelSizes(tp, pp, cp=cp), seed=7)
     try:
         cfg = actor_config(**overrides)
         arch = load_arch(hf_dir)
@@ -299,17 +300,18 @@ def offload_worker(hf_dir: str, tp: int, pp: int, dtype: str, distributed_optimi
         destroy_distributed()
 
 
-def saved_activations_worker(hf_dir: str, tokens: int) -> dict:
+def saved_activations_worker(hf_dir: str, tokens: int, cp: int = 1) -> dict:
     """Bytes the actor's update keeps for its backward pass (every tensor autograd saves, the
-    parameters aside) on one micro-batch of exactly `tokens` tokens, against the memory plan's
-    activation term (its per-layer count; the log-prob's transient buffers aside)."""
+    parameters aside) on one micro-batch of exactly `tokens` tokens (this rank's share of it
+    under context parallelism), against the memory plan's activation term (its per-layer count;
+    the log-prob's transient buffers aside)."""
     from rlfactory_megatron.kernels.logprob.fused import default_chunk_size
     from rlfactory_megatron.trainer.memory_plan import _activations
 
-    init_distributed(ParallelSizes(1, 1), seed=7)
+    init_distributed(ParallelSizes(cp=cp), seed=7)
     try:
         cfg = load_config(overrides=[f"actor.max_tokens_per_microbatch={tokens}", "actor.mini_batch_size=2",
-                                     "actor.kl_loss_coef=0"])
+                                     "actor.kl_loss_coef=0", f"parallel.cp={cp}"])
         arch = load_arch(hf_dir)
         actor = Actor(cfg.actor, arch, hf_dir, BuildOptions(), total_steps=4)
         gen = torch.Generator().manual_seed(0)
@@ -330,8 +332,53 @@ def saved_activations_worker(hf_dir: str, tokens: int) -> dict:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             actor.update(batch)
         vocab = arch.padded_vocab_size(1)
-        buffers = 2 * min(default_chunk_size(vocab), tokens) * vocab * 4  # transient, not saved
+        buffers = 2 * min(default_chunk_size(vocab), tokens // cp) * vocab * 4  # transient, not saved
         return {"saved": sum(saved.values()), "planned": _activations(cfg, arch, 0, 4).bytes - buffers}
+    finally:
+        destroy_distributed()
+
+
+def context_parallel_worker(hf_dir: str, tp: int, cp: int, distributed_optimizer: bool) -> dict:
+    """On make_batch's packed multi-turn rows (tool tokens masked): the logits of every trained
+    token, the actor's gradients of one PPO update (KL and entropy terms, a sequence-level
+    aggregation), the critic's values and the gradients of its update, as this rank's TP shard.
+    With the distributed optimizer a rank's main_grad is whole only in its own shard."""
+    from rlfactory_megatron.actor.actor import PolicyModel, _plan
+
+    init_distributed(ParallelSizes(tp, 1, cp=cp), seed=7)
+    try:
+        cfg = actor_config(**{"actor.loss_agg_mode": "seq-mean-token-mean", "critic.optim.lr": 1e-4,
+                              "actor.optim.use_distributed_optimizer": distributed_optimizer,
+                              "critic.optim.use_distributed_optimizer": distributed_optimizer})
+        arch = load_arch(hf_dir)
+        batch = make_batch(arch.vocab_size)
+        # Vocab-parallel logits of every position, as the model's last stage returns them (no fused log-prob).
+        policy = PolicyModel(arch, hf_dir, BuildOptions(), cfg.actor.max_tokens_per_microbatch, fused_logprob=False)
+        logits = torch.zeros(*batch.input_ids.shape, arch.padded_vocab_size(tp) // tp)
+
+        def keep_logits(mb, output):
+            whole = output[0] if mb.context is None else mb.context.gather(output[0])
+            logits[mb.rows, : mb.gather_index.shape[1]] = (whole[mb.gather_index] * mb.token_valid[..., None]).cpu()
+            return torch.zeros(()), {"rows": mb.rows}
+
+        policy.engine.run(_plan(batch, cfg.actor.max_tokens_per_microbatch), keep_logits, forward_only=True)
+        actor = Actor(cfg.actor, arch, hf_dir, BuildOptions(), total_steps=10)
+        old = actor.compute_log_probs(batch, with_entropy=True)
+        batch = batch.with_fields(old_log_probs=old["log_probs"] - 0.05, ref_log_probs=old["log_probs"] + 0.1)
+        metrics = actor.update(batch)
+        torch.manual_seed(0)  # the value head starts random: alike in every run
+        critic = Critic(cfg.critic, cfg.actor, arch, hf_dir, BuildOptions(), total_steps=10)
+        values = critic.compute_values(batch)
+        returns = torch.randn(batch.input_ids.shape, generator=torch.Generator().manual_seed(3))
+        critic_metrics = critic.update(batch.with_fields(values=values, returns=returns))
+
+        def gradients(engine):
+            # What the update's optimizer step applied: the DP x CP all-reduced gradients it leaves in main_grad.
+            return {name: p.main_grad.detach().clone() for name, p in engine.modules()[0].named_parameters()}
+
+        return {"logits": logits, "log_probs": old["log_probs"], "entropy": old["entropy"], "metrics": metrics,
+                "actor_grads": gradients(actor.engine), "values": values, "critic_metrics": critic_metrics,
+                "critic_grads": gradients(critic.engine)}
     finally:
         destroy_distributed()
 

@@ -11,10 +11,10 @@ import actor_workers  # noqa: E402
 from rlfactory_megatron.runtime.distributed import spawn_local_workers  # noqa: E402
 
 
-def run(hf_dir, tp=1, pp=1, dp=1, overrides=None, **kw):
-    return spawn_local_workers(actor_workers.update_worker, tp * pp * dp, hf_dir, tp, pp, overrides or {},
+def run(hf_dir, tp=1, pp=1, dp=1, overrides=None, cp=1, **kw):
+    return spawn_local_workers(actor_workers.update_worker, tp * pp * dp * cp, hf_dir, tp, pp, overrides or {},
                                kw.get("perturb_masked", False), kw.get("checkpoint"), kw.get("resume_from"),
-                               kw.get("layer_spec", "auto"))
+                               kw.get("layer_spec", "auto"), cp)
 
 
 def assert_same_update(a, b, tol=1e-5):
@@ -40,9 +40,10 @@ def test_update_changes_weights_and_reports_metrics(reference, tiny_hf_dirs):
     assert m["actor/tokens_per_s"] > 0 and m["actor/grad_norm"] > 0 and 0 <= m["actor/clip_frac"] <= 1
 
 
-@pytest.mark.parametrize("tp,pp,dp", [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1)])
-def test_update_is_the_same_at_every_layout(reference, tiny_hf_dirs, tp, pp, dp):
-    results = run(tiny_hf_dirs["qwen3"], tp, pp, dp)
+@pytest.mark.parametrize("tp,pp,dp,cp", [(2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (2, 2, 1, 1), (1, 1, 1, 2),
+                                         (1, 2, 1, 2)])
+def test_update_is_the_same_at_every_layout(reference, tiny_hf_dirs, tp, pp, dp, cp):
+    results = run(tiny_hf_dirs["qwen3"], tp, pp, dp, cp=cp)
     assert_same_update(reference, results[0])
     for r in results:  # every rank ends with the same metrics and old log-probs
         assert r["metrics"]["actor/pg_loss"] == pytest.approx(results[0]["metrics"]["actor/pg_loss"], abs=1e-6)

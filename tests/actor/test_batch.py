@@ -1,7 +1,9 @@
-"""Packing rows into micro-batches: masks for the local specs, cu_seqlens for Transformer-Engine."""
+"""Packing rows into micro-batches: masks for the local specs, cu_seqlens for Transformer-Engine,
+slots that a context-parallel group splits."""
 import torch
 
 from rlfactory_megatron.actor.batch import RolloutBatch, plan_micro_batches
+from rlfactory_megatron.models.context_parallel import ContextSplit, split_positions
 
 
 def make_batch():
@@ -58,3 +60,22 @@ def test_cuts_never_exceed_the_budget():
         plan = plan_micro_batches(batch, max_tokens=budget, dp_rank=0, dp_size=1)
         assert all(sum(int(lengths[r]) for r in mb.rows) <= budget for mb in plan.micro_batches), budget
         assert sorted(r for mb in plan.micro_batches for r in mb.rows) == list(range(8))
+
+
+def test_context_parallel_slots_are_multiples_of_2cp_and_each_rank_holds_its_chunks():
+    # cp=2: 5, 3 and 4 tokens take slots of 8, 4 and 4 positions; the budget counts the slots.
+    plan = plan_micro_batches(make_batch(), max_tokens=16, dp_rank=0, dp_size=1, align=4)
+    (mb,) = plan.micro_batches
+    assert mb.slots == [0, 8, 12, 16] and mb.thd_bounds() == [0, 8, 12, 16] and plan.padded_length == 16
+    assert mb.input_ids[0].tolist() == [1, 2, 3, 4, 5, 0, 0, 0, 6, 7, 8, 0, 11, 12, 13, 14]
+    assert mb.targets[0, :8].tolist() == [2, 3, 4, 5, 0, 0, 0, 0]  # the slot's padding predicts nothing
+    assert mb.unpack(torch.arange(16.0)[None])[1].tolist() == [0.0, 8.0, 9.0, 0.0, 0.0]
+    layout = split_positions(mb.thd_bounds(), 2)
+    assert layout.tolist() == [[0, 1, 6, 7, 8, 11, 12, 15], [2, 3, 4, 5, 9, 10, 13, 14]]
+    shard = mb.context_shard(ContextSplit(layout, 1, None))
+    assert shard.input_ids[0].tolist() == [3, 4, 5, 0, 7, 8, 12, 13] and shard.targets[0].tolist() == [4, 5, 0, 0, 8, 0, 13, 14]
+    assert shard.gather_index.equal(mb.gather_index)  # still the whole pack's positions
+    # A budget of 12 cuts the 16 slot positions in two; the padded tails go in pieces of 2 x cp too.
+    cuts = plan_micro_batches(make_batch(), max_tokens=12, dp_rank=0, dp_size=1, pad_to_multiple=16, align=4)
+    assert {tuple(mb.rows): mb.thd_bounds(tail_chunk=3) for mb in cuts.micro_batches} == {
+        (0,): [0, 8, 12, 16], (1, 2): [0, 4, 8, 12, 16]}

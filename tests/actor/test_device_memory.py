@@ -39,15 +39,16 @@ def test_offload_round_trip_is_bit_exact_and_the_next_update_the_same(tiny_hf_di
             assert counted == planned, (rank, name, counted, planned)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
-def test_the_plans_activations_are_what_the_backward_pass_keeps(tmp_path, family):
+@pytest.mark.parametrize("family,cp", [("qwen2", 1), ("qwen3", 1), ("qwen3", 2)])
+def test_the_plans_activations_are_what_the_backward_pass_keeps(tmp_path, family, cp):
     # A shape where activations dominate (ffn 2.75 x hidden, GQA) at a 512-token budget. The plan
     # counts the GPU path (TE layers, flash attention over the pack); CPU's local_sdpa spec keeps
     # somewhat more (the packed SDPA's gathered q/k/v and a second copy of the attention output),
-    # so the plan must count most of it, and not more.
+    # so the plan must count most of it, and not more. At cp=2 each rank keeps its half, and its
+    # attention only its own keys and values (the whole sequence's travel, and travel again).
     from rlfactory_megatron.models.tiny import make_tiny_hf_model
 
     hf_dir = make_tiny_hf_model(family, tmp_path / family, hidden_size=256, intermediate_size=704, num_hidden_layers=2,
                                 num_attention_heads=8, num_key_value_heads=2, head_dim=32, vocab_size=1024)
-    out = spawn_local_workers(actor_workers.saved_activations_worker, 1, str(hf_dir), 512)[0]
-    assert 0.7 * out["saved"] <= out["planned"] <= out["saved"], out
+    for out in spawn_local_workers(actor_workers.saved_activations_worker, cp, str(hf_dir), 512, cp):
+        assert 0.7 * out["saved"] <= out["planned"] <= out["saved"], out

@@ -29,6 +29,7 @@ def test_a_config_file_starts_from_the_schema_and_overrides_come_last(tmp_path):
     ("trainer.algorithm=ppo2", "trainer.algorithm='ppo2' is not allowed; choose one of: ppo, grpo"),
     ("parallel.pp=0", "parallel.pp=0 must be >= 1"),
     ("parallel.vpp=2", "parallel.vpp=2 needs parallel.pp >= 2"),
+    ("parallel.cp=0", "parallel.cp=0 must be >= 1"),
     ("actor.optim.lr", "must look like key=value"),
     ("rollout.truncation=middle", "rollout.truncation='middle' is not allowed; choose one of: error, left, right"),
     ("rollout.max_num_seqs=0", "rollout.max_num_seqs=0 must be >= 1"),
@@ -49,7 +50,7 @@ ARCH = arch_from_hf_config({"model_type": "qwen3", "num_hidden_layers": 6, "hidd
 
 
 @pytest.mark.parametrize("tp,pp,vpp,world,message", [
-    (2, 2, None, 6, "world size 6 is not divisible by parallel.tp\\*parallel.pp=2\\*2"),
+    (2, 2, None, 6, "world size 6 is not divisible by parallel.tp\\*parallel.pp\\*parallel.cp=2\\*2\\*1"),
     (4, 1, None, 4, "parallel.tp=4 does not divide the model's 2 key/value heads; use one of \\[1, 2\\]"),
     (3, 1, None, 3, "parallel.tp=3 does not divide the model's 4 attention heads"),
     (1, 4, None, 4, "parallel.pp\\*vpp=4 does not divide the model's 6 layers; use one of \\[1, 2, 3, 6\\]"),
@@ -62,6 +63,18 @@ def test_inconsistent_parallel_sizes_are_rejected(tp, pp, vpp, world, message):
         return
     with pytest.raises(ConfigError, match=message):
         validate_against_model(cfg, ARCH, world)
+
+
+@pytest.mark.parametrize("overrides,world,message", [
+    (["parallel.cp=2", "parallel.tp=2"], 2, "world size 2 is not divisible by parallel.tp\\*parallel.pp\\*parallel.cp=2\\*1\\*2"),
+    (["parallel.cp=2", "model.layer_spec=local"], 2, "model.layer_spec=local has none; use model.layer_spec=auto"),
+    (["parallel.cp=4", "actor.max_tokens_per_microbatch=4100"], 4,
+     "actor.max_tokens_per_microbatch=4100 must be a multiple of 2 x parallel.cp = 8 .*; use 4104"),
+])
+def test_context_parallel_layouts_are_checked_at_load(overrides, world, message):
+    with pytest.raises(ConfigError, match=message):
+        validate_against_model(load_config(overrides=overrides), ARCH, world)
+    validate_against_model(load_config(overrides=overrides[:1]), ARCH, 4)  # the CP size alone fits 4 ranks
 
 
 # Shapes of the real models (from their config.json), to check each example's layout fits them.

@@ -72,6 +72,12 @@ def test_each_term_follows_the_keys_that_shape_it():
                  "training", "activations") < activations
     assert _term(_plan("qwen2_5_7b_grpo_8gpu.yaml", "qwen2_7b", 8, "actor.max_tokens_per_microbatch=8192"),
                  "training", "activations") < 0.6 * activations
+    # Context parallelism: each of the 2 CP ranks holds half of a micro-batch twice the budget, and
+    # the distributed optimizer shards over dp 1 x cp 2 as it did over dp 2.
+    budget = _example("qwen2_5_7b_grpo_8gpu.yaml").actor.max_tokens_per_microbatch
+    split = _plan("qwen2_5_7b_grpo_8gpu.yaml", "qwen2_7b", 8, "parallel.cp=2", f"actor.max_tokens_per_microbatch={2 * budget}")
+    assert _term(split, "training", "activations") == activations and "tp=4 pp=1 cp=2 dp=1" in split.layout
+    assert _term(split, "training", "actor optimizer") == 12 * params / 2
     assert _term(_plan("qwen2_5_7b_grpo_8gpu.yaml", "qwen2_7b", 8, "actor.kl_loss_coef=0"), "training", "reference") == 0
     assert _term(base, "generation", "reference") == 2 * params
     offloaded = _plan("qwen2_5_7b_grpo_8gpu.yaml", "qwen2_7b", 8, "actor.offload=true")

@@ -1,12 +1,13 @@
 """An engine on every inference group: a 2-rank run generates on 2 engines, each writes its own
 rollout shard, every engine serves the actor's weights after each sync, and a run's samples do
-not depend on how many engines generate them, colocated or disaggregated behind a router."""
+not depend on how many engines generate them, colocated or disaggregated behind a router; nor
+on a context-parallel group splitting every sequence over 2 ranks (killed and resumed)."""
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 from rlf_train_cli import (  # noqa: E402
-    assert_same_metrics, records, rlf_train, stored_trajectories, torchrun_train)
+    assert_same_metrics, kill_after_checkpoint, records, rlf_train, stored_trajectories, torchrun_train)
 
 # mini_batch_size=2: several optimizer steps per RL step, so the trainer computes old log-probs
 # and the engines' log-probs are compared with them (rollout/logprob_gap_max) at every step.
@@ -26,10 +27,16 @@ def _assert_every_engine_generated(run_records, engines: int):
         assert record["rollout/logprob_gap_max"] <= 1e-4  # every engine serves the actor's weights
 
 
-def test_two_engines_colocated_or_disaggregated_make_the_samples_one_engine_makes(tmp_path):
-    # 1 engine on 1 rank; 2 colocated engines on 2 ranks; 2 disaggregated engines for 1 rank, and for 2.
+def test_two_engines_colocated_disaggregated_or_context_parallel_make_the_samples_one_engine_makes(tmp_path):
+    # 1 engine on 1 rank; 2 colocated engines on 2 ranks; 2 disaggregated engines for 1 rank, and for 2;
+    # 2 colocated engines on a context-parallel group of 2 ranks (one DP rank), killed after its
+    # step-2 checkpoint and resumed.
     one = rlf_train(tmp_path, "one", *RUN)
     assert one.returncode == 0, one.stderr[-3000:]
+    kill_after_checkpoint(tmp_path, "cp", "step_000002", *RUN, "trainer.save_every=2", "parallel.cp=2")
+    cp = rlf_train(tmp_path, "cp", *RUN, "trainer.save_every=2", "parallel.cp=2")
+    assert cp.returncode == 0, cp.stderr[-3000:]
+    assert "cp=2 on 2 rank(s)" in cp.stdout and "resumed from" in cp.stdout and "step 3/3 | reward" in cp.stdout
     two = torchrun_train(tmp_path, "two", 2, *RUN)
     assert two.returncode == 0, two.stderr[-3000:]
     assert "step 3/3 | reward" in two.stdout
@@ -40,15 +47,16 @@ def test_two_engines_colocated_or_disaggregated_make_the_samples_one_engine_make
     pool_dp = torchrun_train(tmp_path, "pool_dp", 2, *RUN, "rollout.mode=disaggregated", "rollout.num_engines=2")
     assert pool_dp.returncode == 0, pool_dp.stderr[-3000:]
     first, second, pooled = records(tmp_path / "one"), records(tmp_path / "two"), records(tmp_path / "pool")
-    pooled_dp = records(tmp_path / "pool_dp")
+    pooled_dp, context = records(tmp_path / "pool_dp"), records(tmp_path / "cp")
     _assert_every_engine_generated(first, 1)
     _assert_every_engine_generated(second, 2)
     _assert_every_engine_generated(pooled, 2)
     _assert_every_engine_generated(pooled_dp, 2)
+    _assert_every_engine_generated(context, 2)
     for record in second[1:] + pooled_dp[1:]:  # each DP rank received and trained on its own part of the 4 rows
         assert record["train/dp_rows_min"] >= 1 and record["train/dp_rows_min"] + record["train/dp_rows_max"] == 4
         assert record["train/dp_token_imbalance"] >= 1.0
-    assert all(r["train/dp_rows_min"] == 4 for r in first[1:] + pooled[1:])
+    assert all(r["train/dp_rows_min"] == 4 for r in first[1:] + pooled[1:] + context[1:])  # CP ranks share the rows
     # One shard per engine process, and together they hold each trained trajectory once.
     shards = sorted(p.name for p in (tmp_path / "two" / "cache" / "rollouts").iterdir())
     assert shards == ["shard-00000-of-00002.h5", "shard-00001-of-00002.h5"]
@@ -56,9 +64,11 @@ def test_two_engines_colocated_or_disaggregated_make_the_samples_one_engine_make
     assert sorted(together) == sorted(alone) == [(s, f"{r:05d}") for s in (1, 2, 3) for r in range(4)]
     assert together == alone  # the same token ids, masks and rewards
     assert stored_trajectories(tmp_path / "pool") == stored_trajectories(tmp_path / "pool_dp") == alone
-    for run in (second, pooled, pooled_dp):
+    assert stored_trajectories(tmp_path / "cp") == alone  # each trajectory once: one DP rank writes its rows
+    for run in (second, pooled, pooled_dp, context):
         assert [r["step"] for r in run] == [r["step"] for r in first] == [0, 1, 2, 3]
-        # DP's gradient all-reduce sums in another order: rounding differs
+        # DP's gradient all-reduce (and CP's split of attention and of the gradients) sums in
+        # another order: rounding differs
         assert_same_metrics(run, first, ignore=LAYOUT_KEYS, rel=1e-5)
 
 
