@@ -49,6 +49,7 @@ class MegatronEngine:
         self.host = HostOffload(lambda: megatron_state(self.chunks, self.optimizer))
         self._fixed_lr: float | None = None
         self.skipped_in_a_row = 0  # optimizer steps skipped for a non-finite loss or gradient, since the last one taken
+        self.distributed_optimizer = False
         if not self.trainable:
             for chunk in chunks:
                 chunk.requires_grad_(False)
@@ -215,6 +216,7 @@ class MegatronEngine:
     def load(self, directory: str | Path) -> None:
         from megatron.core import dist_checkpointing
 
+        self.host.onload()  # Adam's state is allocated in place, on the device: not on offloaded tensors
         if self.distributed_optimizer:
             _allocate_torch_adam_state(self.optimizer)
         state = dist_checkpointing.load(self.sharded_state_dict(is_loading=True), str(directory))

@@ -15,7 +15,10 @@ STANDINS = {
             'SRUN_NODE=$node exec "$@"',
     "scontrol": 'echo g1; echo g2',
     "venv/ray": '[[ $1 == status ]] && exit 0\necho "ray node=$SRUN_NODE CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES $*" >> "$CALLS"',
-    "venv/torchrun": 'echo "torchrun CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-unset} $*" >> "$CALLS"',
+    # The Ray worker's step runs in the background and the script stops it on exit: torchrun (the
+    # script's last step) waits until both nodes' Ray calls are recorded, so the record is whole.
+    "venv/torchrun": 'for _ in $(seq 600); do [ "$(grep -c "^ray " "$CALLS" 2>/dev/null)" -ge 2 ] && break; sleep 0.1; done\n'
+                     'echo "torchrun CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-unset} $*" >> "$CALLS"',
 }
 
 
