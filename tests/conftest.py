@@ -68,8 +68,10 @@ _recorded: dict[str, float] = {}
 
 
 def pytest_runtest_logreport(report):
-    # Under xdist the controller receives every worker's reports: it alone writes the file.
-    _recorded[report.nodeid] = _recorded.get(report.nodeid, 0.0) + report.duration
+    # Under xdist the controller receives every worker's reports: it alone writes the file. A test
+    # in an xdist_group reports "<nodeid>@<group>"; collection knows it by its nodeid.
+    nodeid = report.nodeid.split("@", 1)[0]
+    _recorded[nodeid] = _recorded.get(nodeid, 0.0) + report.duration
 
 
 def pytest_sessionfinish(session):
