@@ -127,6 +127,14 @@ class VLLMEngine:
             # processes) shared one core (rlf-bench e2e --ranks 2: 2.87 s per step pinned, 1.57 s
             # unpinned). Unpinned, the OS spreads them; one engine alone is as fast either way.
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            # vLLM's sampler torch.compiles a one-line count for every log-prob request
+            # (batched_count_greater_than; inductor builds C++ on CPU): 3.7 CPU-s in each process
+            # that samples, for what eager torch does in microseconds, exactly. Nothing else
+            # compiles on CPU (the engine is eager; megatron's fusions are off there), so on CPU
+            # compilation is off in this process and, through the environment, in vLLM's workers.
+            os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+            if os.environ["TORCH_COMPILE_DISABLE"] == "1":
+                torch.compiler.set_stance("force_eager")
         # On CPU, vLLM rewinds a seeded request's generator after a partial (chunked) prefill with
         # an offset CPU generators do not have ("CPU Generator does not use offset"): prompts are
         # prefilled whole there, so per-request seeds work.
