@@ -23,7 +23,7 @@ CHOICES: dict[str, tuple] = {
     "tools.turn_schedule": ("per_sample", "lockstep"),
     "logging.wandb_mode": ("online", "offline"),
 }
-POSITIVE_INTS = ("parallel.tp", "parallel.pp", "parallel.cp", "rollout.n", "rollout.tp", "actor.ppo_epochs",
+POSITIVE_INTS = ("parallel.tp", "parallel.pp", "parallel.cp", "parallel.ep", "rollout.n", "rollout.tp", "actor.ppo_epochs",
                  "actor.mini_batch_size", "actor.max_tokens_per_microbatch", "trainer.total_steps",
                  "trainer.prompts_per_step", "weight_sync.bucket_mb", "tools.max_turns", "trainer.sft_batch_size",
                  "trainer.max_skipped_updates", "rollout.max_prompt_tokens", "rollout.max_response_tokens",
@@ -364,6 +364,7 @@ def validate_against_model(cfg, arch, world_size: int) -> None:
             f"world size {world_size} is not divisible by parallel.tp*parallel.pp*parallel.cp={tp}*{pp}*{cp}; "
             f"use tp*pp*cp in {{{', '.join(str(d) for d in _divisors(world_size))}}}"
         )
+    _check_expert_layout(cfg, arch, world_size)
     if arch.num_heads % tp != 0:
         raise ConfigError(f"parallel.tp={tp} does not divide the model's {arch.num_heads} attention heads; "
                           f"use one of {_divisors(arch.num_heads)}")
@@ -374,6 +375,25 @@ def validate_against_model(cfg, arch, world_size: int) -> None:
     if arch.num_layers % stages != 0:
         raise ConfigError(f"parallel.pp*vpp={stages} does not divide the model's {arch.num_layers} layers; "
                           f"use one of {_divisors(arch.num_layers)}")
+
+
+def _check_expert_layout(cfg, arch, world_size: int) -> None:
+    """parallel.ep against the model's experts and the job: megatron splits the experts evenly over
+    the EP ranks and lays tp x ep x pp ranks out per expert group."""
+    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    ep = OmegaConf.select(cfg, "parallel.ep", default=1)
+    if ep > 1 and arch.moe is None:
+        raise ConfigError(f"parallel.ep={ep} needs a mixture-of-experts model; model '{arch.model_type}' is dense: "
+                          "set parallel.ep=1")
+    if arch.moe is not None and arch.moe.num_experts % ep:
+        raise ConfigError(f"parallel.ep={ep} does not divide the model's {arch.moe.num_experts} experts; "
+                          f"use one of {_divisors(arch.moe.num_experts)}")
+    if world_size % (tp * ep * pp):
+        raise ConfigError(f"parallel.tp*parallel.ep*parallel.pp={tp}*{ep}*{pp} does not divide the world of "
+                          f"{world_size} rank(s) (megatron's expert groups); lower parallel.ep or add ranks")
+    if arch.moe is not None and tp > 1 and not OmegaConf.select(cfg, "parallel.sequence_parallel", default=True):
+        raise ConfigError(f"parallel.tp={tp} with a MoE model needs parallel.sequence_parallel=true "
+                          "(megatron's MoE layer trains under TP only with sequence parallelism)")
 
 
 def _check_engine_devices(cfg) -> None:

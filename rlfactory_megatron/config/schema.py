@@ -29,6 +29,10 @@ class ParallelConfig:
     # balanced for causal attention) and attention spans the group; dp = world / (tp * pp * cp).
     # For long trajectories: each rank keeps 1/cp of a micro-batch's activations.
     cp: int = 1
+    # Expert-parallel ranks of a mixture-of-experts model: each holds experts / ep of every MoE
+    # layer (tokens travel to their experts and back); divides the experts, tp * ep * pp divides
+    # the world; expert tensor parallelism is tp.
+    ep: int = 1
     # Memory of one training GPU in GiB, which the memory plan (rlf-train --plan, and every run's
     # start-up) must fit: on a GPU, the device's own or this if smaller; on a machine without one,
     # the GPU to plan for (null there: the plan is shown, not checked).

@@ -77,6 +77,27 @@ def test_context_parallel_layouts_are_checked_at_load(overrides, world, message)
     validate_against_model(load_config(overrides=overrides[:1]), ARCH, 4)  # the CP size alone fits 4 ranks
 
 
+MOE_ARCH = arch_from_hf_config({"model_type": "qwen3_moe", "num_hidden_layers": 4, "hidden_size": 128,
+                                "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                "vocab_size": 512, "num_experts": 8, "num_experts_per_tok": 2,
+                                "moe_intermediate_size": 64})
+
+
+@pytest.mark.parametrize("overrides,arch,world,message", [
+    (["parallel.ep=3"], MOE_ARCH, 3, "parallel.ep=3 does not divide the model's 8 experts; use one of \\[1, 2, 4, 8\\]"),
+    (["parallel.ep=2", "parallel.tp=2"], MOE_ARCH, 2, "parallel.tp\\*parallel.ep\\*parallel.pp=2\\*2\\*1 does not divide "
+                                                     "the world of 2"),
+    (["parallel.ep=2"], ARCH, 2, "parallel.ep=2 needs a mixture-of-experts model; model 'qwen3' is dense"),
+    (["parallel.tp=2"], MOE_ARCH, 2, "needs parallel.sequence_parallel=true"),
+    (["parallel.ep=0"], MOE_ARCH, 1, "parallel.ep=0 must be >= 1"),
+])
+def test_expert_layouts_are_checked_at_load(overrides, arch, world, message):
+    with pytest.raises(ConfigError, match=message):
+        validate_against_model(load_config(overrides=overrides), arch, world)
+    validate_against_model(load_config(overrides=["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
+                           MOE_ARCH, 4)
+
+
 # Shapes of the real models (from their config.json), to check each example's layout fits them.
 REAL_SHAPES = {
     "qwen2_7b": dict(model_type="qwen2", num_hidden_layers=28, hidden_size=3584, intermediate_size=18944,
