@@ -38,9 +38,9 @@ def actor_config(**overrides):
 
 def update_worker(hf_dir: str, tp: int, pp: int, overrides: dict, perturb_masked: bool = False,
                   checkpoint: str | None = None, resume_from: str | None = None, layer_spec: str = "auto",
-                  cp: int = 1) -> dict:
+                  cp: int = 1, ep: int = 1) -> dict:
     """Build an actor, compute old/ref log-probs, run one update (+ a second after save/load)."""
-    init_distributed(ParallelSizes(tp, pp, cp=cp), seed=7)
+    init_distributed(ParallelSizes(tp, pp, cp=cp, ep=ep), seed=7)
     try:
         cfg = actor_config(**overrides)
         arch = load_arch(hf_dir)
@@ -64,7 +64,9 @@ def update_worker(hf_dir: str, tp: int, pp: int, overrides: dict, perturb_masked
         optimizers = getattr(actor.engine.optimizer, "chained_optimizers", [actor.engine.optimizer])
         return {"metrics": metrics, "weights": weights if torch.distributed.get_rank() == 0 else None,
                 "old_log_probs": old["log_probs"], "entropy": old["entropy"],
-                "optimizer": type(optimizers[0]).__name__}
+                "optimizer": type(optimizers[0]).__name__,
+                "expert_weights": sum(".local_experts." in name for chunk in actor.engine.chunks
+                                      for name, _ in chunk.named_parameters())}
     finally:
         destroy_distributed()
 
