@@ -14,6 +14,8 @@ DEFAULT_CONFIG = Path(__file__).with_name("default.yaml")
 CHOICES: dict[str, tuple] = {
     "model.params_dtype": ("auto", "float32", "bfloat16", "float16"),
     "model.layer_spec": ("auto", "local_sdpa", "local", "transformer_engine"),
+    "model.moe.load_balancing": ("none", "aux_loss", "seq_aux_loss"),
+    "model.moe.router_dtype": ("fp32", "fp64"),
     "actor.optim.lr_decay_style": ("constant", "linear", "cosine"),
     "critic.optim.lr_decay_style": ("constant", "linear", "cosine"),
     "trainer.sft_lr_decay_style": ("constant", "linear", "cosine"),
@@ -30,7 +32,7 @@ POSITIVE_INTS = ("parallel.tp", "parallel.pp", "parallel.cp", "parallel.ep", "ro
                  "tools.tool_response_max_tokens", "tools.num_workers", "tools.max_concurrency", "reward.num_workers",
                  "critic.ppo_epochs", "trainer.keep_last", "cache.tool_cache_max_mb", "logging.log_every",
                  "rollout.max_num_seqs")
-NON_NEGATIVE = ("trainer.save_every", "trainer.val_every", "trainer.val_prompts", "trainer.sft_steps", "trainer.max_refill_rounds",
+NON_NEGATIVE = ("model.moe.aux_loss_coeff", "model.moe.z_loss_coeff", "trainer.save_every", "trainer.val_every", "trainer.val_prompts", "trainer.sft_steps", "trainer.max_refill_rounds",
                 "trainer.max_staleness",
                 "actor.optim.warmup_steps", "critic.optim.warmup_steps", "actor.optim.min_lr", "critic.optim.min_lr",
                 "actor.optim.weight_decay", "critic.optim.weight_decay", "actor.optim.clip_grad",
@@ -160,6 +162,11 @@ def validate_static(cfg) -> None:
     if cfg.parallel.vpp is not None and cfg.parallel.pp < 2:
         raise ConfigError(f"parallel.vpp={cfg.parallel.vpp} needs parallel.pp >= 2 (or set parallel.vpp=null)")
     _check_context_parallel(cfg)
+    moe = cfg.model.moe
+    if (moe.load_balancing == "none") != (moe.aux_loss_coeff == 0):
+        raise ConfigError(f"model.moe.aux_loss_coeff={moe.aux_loss_coeff} with model.moe.load_balancing="
+                          f"{moe.load_balancing}: the coefficient weighs that loss; set both (e.g. aux_loss and "
+                          "1e-3) or neither (none and 0)")
     _check_rewards_and_tools(cfg)
     _check_wandb(cfg.logging)
     _check_memory_keys(cfg)

@@ -14,6 +14,17 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 @dataclass(frozen=True)
+class MoEOptions:
+    """A mixture-of-experts model's router settings (config `model.moe`; docs/moe.md)."""
+
+    load_balancing: str = "none"  # none | aux_loss | seq_aux_loss
+    aux_loss_coeff: float = 0.0
+    z_loss_coeff: float = 0.0
+    router_dtype: str = "fp32"  # fp32 | fp64
+    freeze_router: bool = False
+
+
+@dataclass(frozen=True)
 class BuildOptions:
     params_dtype: str = "float32"
     value_head: bool = False  # critic: a [hidden -> 1] head instead of the LM head
@@ -22,6 +33,7 @@ class BuildOptions:
     sequence_parallel: bool = False
     padded_vocab_size: int | None = None  # keep a checkpoint's padding when loading it at another TP
     output_hidden_states: bool = False  # policy: last stage returns hidden states, not logits (fused log-prob)
+    moe: MoEOptions = MoEOptions()  # ignored by a dense model
 
 
 def _transformer_engine_available() -> bool:
@@ -83,7 +95,7 @@ def fusions(layer_spec: str, on_gpu: bool) -> dict[str, bool]:
     }
 
 
-def moe_settings(arch: ModelArch, layer_spec: str, on_gpu: bool) -> dict:
+def moe_settings(arch: ModelArch, layer_spec: str, on_gpu: bool, options: MoEOptions = MoEOptions()) -> dict:
     """megatron's MoE fields for `arch` (none for a dense model). HF's router takes a softmax over
     all experts, then the top-k, renormalized when `norm_topk_prob`: megatron's top-k then softmax
     over the k is the same function, its pre-softmax (no renormalization) the other. Tokens travel
@@ -101,10 +113,10 @@ def moe_settings(arch: ModelArch, layer_spec: str, on_gpu: bool) -> dict:
         moe_token_dispatcher_type="alltoall" if on_gpu else "allgather",
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
         expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
-        # The RL defaults the peers converged on: no load-balancing loss, the router in float32.
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
-        moe_router_dtype="fp32",
+        moe_router_load_balancing_type=options.load_balancing,
+        moe_aux_loss_coeff=options.aux_loss_coeff,
+        moe_z_loss_coeff=options.z_loss_coeff or None,  # megatron's "off"
+        moe_router_dtype=options.router_dtype,
     )
 
 
@@ -142,7 +154,7 @@ def transformer_config(arch: ModelArch, options: BuildOptions):
         fp16=dtype == torch.float16,
         use_cpu_initialization=not on_gpu,
         **fusions(layer_spec, on_gpu),
-        **moe_settings(arch, layer_spec, on_gpu),
+        **moe_settings(arch, layer_spec, on_gpu, options.moe),
         # gloo cannot batch isend/irecv safely for the interleaved schedule (silently wrong).
         batch_p2p_comm=on_gpu,
         # As megatron's own training sets it: a stage frees its output activations once sent, and
@@ -297,6 +309,10 @@ def build_model_chunks(arch: ModelArch, options: BuildOptions = BuildOptions()) 
                                            config.init_method_std)
         elif options.output_hidden_states and post:
             model.output_layer = HiddenStatesOutput(model.output_layer)
+        if options.moe.freeze_router:
+            for name, param in model.named_parameters():
+                if name.endswith(".mlp.router.weight"):
+                    param.requires_grad_(False)
         model.to(compute_device())
         chunks.append(model)
     return chunks

@@ -6,7 +6,7 @@ import torch
 from rlfactory_megatron.actor.actor import Actor, Critic
 from rlfactory_megatron.actor.batch import RolloutBatch
 from rlfactory_megatron.config import load_config
-from rlfactory_megatron.models.builder import BuildOptions
+from rlfactory_megatron.models.builder import BuildOptions, MoEOptions
 from rlfactory_megatron.models.hf_arch import load_arch
 from rlfactory_megatron.runtime.distributed import ParallelSizes, destroy_distributed, init_distributed
 
@@ -44,7 +44,8 @@ def update_worker(hf_dir: str, tp: int, pp: int, overrides: dict, perturb_masked
     try:
         cfg = actor_config(**overrides)
         arch = load_arch(hf_dir)
-        actor = Actor(cfg.actor, arch, hf_dir, BuildOptions(layer_spec=layer_spec), total_steps=10)
+        build = BuildOptions(layer_spec=layer_spec, moe=MoEOptions(**cfg.model.moe))
+        actor = Actor(cfg.actor, arch, hf_dir, build, total_steps=10)
         batch = make_batch(arch.vocab_size)
         old = actor.compute_log_probs(batch, with_entropy=True)
         batch = batch.with_fields(old_log_probs=old["log_probs"] - 0.05, ref_log_probs=old["log_probs"] + 0.1)

@@ -61,6 +61,19 @@ def test_moe_update_with_experts_split_over_two_ranks_equals_one_rank(tiny_hf_di
     for r in split:
         assert torch.allclose(r["old_log_probs"], alone["old_log_probs"], atol=1e-5)
 
+    # model.moe: a frozen router keeps its weights while the experts move; the balancing loss
+    # (on here, off by default) changes the update.
+    from rlfactory_megatron.models.hf_checkpoint import iter_safetensors
+
+    keys = {"model.moe.freeze_router": True, "model.moe.load_balancing": "aux_loss", "model.moe.aux_loss_coeff": 0.1}
+    frozen = run(tiny_hf_dirs["qwen3_moe"], overrides=keys)[0]["weights"]
+    before = dict(iter_safetensors(tiny_hf_dirs["qwen3_moe"]))
+    routers = [name for name in before if name.endswith("mlp.gate.weight")]
+    assert len(routers) == 4 and all(torch.equal(frozen[name], before[name]) for name in routers)
+    assert not all(torch.equal(alone["weights"][name], before[name]) for name in routers)
+    expert = "model.layers.0.mlp.experts.0.down_proj.weight"
+    assert not torch.equal(frozen[expert], before[expert]) and not torch.equal(frozen[expert], alone["weights"][expert])
+
 
 @pytest.mark.parametrize("mini_batch_size", [6, 3, 1])
 def test_dp_ranks_holding_only_their_rows_make_the_same_update(tiny_hf_dirs, mini_batch_size):

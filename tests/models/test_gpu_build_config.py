@@ -14,7 +14,7 @@ MOE_ARCH = arch_from_hf_config({"model_type": "qwen3_moe", "num_hidden_layers": 
                                 "moe_intermediate_size": 32, "norm_topk_prob": True})
 
 
-def built_config(monkeypatch, on_gpu: bool, layer_spec: str, arch=ARCH) -> dict:
+def built_config(monkeypatch, on_gpu: bool, layer_spec: str, arch=ARCH, moe=builder.MoEOptions()) -> dict:
     """transformer_config's keyword arguments to megatron's TransformerConfig on a (pretend) machine."""
     import megatron.core.transformer as mcore_transformer
     from megatron.core import parallel_state
@@ -26,7 +26,8 @@ def built_config(monkeypatch, on_gpu: bool, layer_spec: str, arch=ARCH) -> dict:
     monkeypatch.setattr(parallel_state, "_MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE", 1)
     monkeypatch.setattr(parallel_state, "_MPU_EXPERT_MODEL_PARALLEL_WORLD_SIZE", 2)
     monkeypatch.setattr(parallel_state, "_MPU_EXPERT_TENSOR_PARALLEL_WORLD_SIZE", 1)
-    return builder.transformer_config(arch, builder.BuildOptions(params_dtype="bfloat16", layer_spec=layer_spec))
+    return builder.transformer_config(arch, builder.BuildOptions(params_dtype="bfloat16", layer_spec=layer_spec,
+                                                                 moe=moe))
 
 
 def test_moe_dispatches_by_all_to_all_with_grouped_experts_on_gpu_and_by_all_gather_on_cpu(monkeypatch):
@@ -41,6 +42,11 @@ def test_moe_dispatches_by_all_to_all_with_grouped_experts_on_gpu_and_by_all_gat
         assert config["moe_router_pre_softmax"] is False
         assert config["moe_router_load_balancing_type"] == "none" and config["moe_router_dtype"] == "fp32"
     assert "num_moe_experts" not in built_config(monkeypatch, False, "auto")  # a dense model
+    keys = builder.MoEOptions(load_balancing="seq_aux_loss", aux_loss_coeff=1e-3, z_loss_coeff=1e-4, router_dtype="fp64")
+    chosen = built_config(monkeypatch, False, "auto", MOE_ARCH, keys)
+    assert (chosen["moe_router_load_balancing_type"], chosen["moe_aux_loss_coeff"], chosen["moe_z_loss_coeff"],
+            chosen["moe_router_dtype"]) == ("seq_aux_loss", 1e-3, 1e-4, "fp64")
+    assert cpu["moe_z_loss_coeff"] is None and cpu["moe_aux_loss_coeff"] == 0.0  # both off by default
 
 
 def test_grouped_expert_weights_are_named_with_global_expert_indices():
