@@ -7,11 +7,13 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # One checkpoint per supported family, each with the feature that family adds:
-# llama: Llama-3 rope scaling; qwen2: qkv bias + a vocab that megatron must pad; qwen3: q/k norm + tied embeddings.
+# llama: Llama-3 rope scaling; qwen2: qkv bias + a vocab that megatron must pad; qwen3: q/k norm + tied embeddings;
+# qwen3_moe: 8 experts, top-2 routing.
 TINY_VARIANTS = {
     "llama": dict(),
     "qwen2": dict(vocab_size=500),
     "qwen3": dict(tie_word_embeddings=True),
+    "qwen3_moe": dict(),
 }
 
 

@@ -1,10 +1,11 @@
 """`rlf-convert`: HF <-> Megatron distributed checkpoints, and an exactness check against HF.
 
-  rlf-convert hf-to-mcore --hf-dir H --out M --tp T --pp P
-  rlf-convert mcore-to-hf --mcore-dir M --out H2 [--tp T --pp P]   (M: also a run checkpoint, step_N or its actor/)
-  rlf-convert check --hf-dir H --tp T --pp P [--vpp V]
+  rlf-convert hf-to-mcore --hf-dir H --out M --tp T --pp P [--ep E]
+  rlf-convert mcore-to-hf --mcore-dir M --out H2 [--tp T --pp P --ep E]   (M: also a run checkpoint, step_N or its actor/)
+  rlf-convert check --hf-dir H --tp T --pp P [--vpp V --ep E]
 
-Outside a launcher (torchrun/srun/mpirun) the command starts the T*P local CPU processes it needs.
+--ep splits a MoE model's experts over E ranks. Outside a launcher (torchrun/srun/mpirun) the
+command starts the T*P*E local CPU processes it needs.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 
 
-def _hf_to_mcore(hf_dir: str, out: str, tp: int, pp: int, vpp: int | None) -> dict:
+def _hf_to_mcore(hf_dir: str, out: str, tp: int, pp: int, vpp: int | None, ep: int) -> dict:
     from rlfactory_megatron.models.builder import build_model_chunks
     from rlfactory_megatron.models.conversion import load_hf_weights
     from rlfactory_megatron.models.hf_arch import load_arch
@@ -24,7 +25,7 @@ def _hf_to_mcore(hf_dir: str, out: str, tp: int, pp: int, vpp: int | None) -> di
     from rlfactory_megatron.runtime.distributed import ParallelSizes, destroy_distributed, init_distributed
 
     arch = load_arch(hf_dir)
-    init_distributed(ParallelSizes(tp, pp, vpp))
+    init_distributed(ParallelSizes(tp, pp, vpp, ep=ep))
     try:
         chunks = build_model_chunks(arch)
         load_hf_weights(chunks, arch, hf_dir)
@@ -34,7 +35,7 @@ def _hf_to_mcore(hf_dir: str, out: str, tp: int, pp: int, vpp: int | None) -> di
     return {"out": out}
 
 
-def _mcore_to_hf(mcore_dir: str, out: str, tp: int, pp: int, vpp: int | None) -> dict:
+def _mcore_to_hf(mcore_dir: str, out: str, tp: int, pp: int, vpp: int | None, ep: int) -> dict:
     import torch.distributed as dist
 
     from rlfactory_megatron.models.builder import BuildOptions, build_model_chunks
@@ -44,7 +45,7 @@ def _mcore_to_hf(mcore_dir: str, out: str, tp: int, pp: int, vpp: int | None) ->
     from rlfactory_megatron.runtime.distributed import ParallelSizes, destroy_distributed, init_distributed
 
     arch, padded_vocab = read_mcore_meta(mcore_dir)
-    init_distributed(ParallelSizes(tp, pp, vpp))
+    init_distributed(ParallelSizes(tp, pp, vpp, ep=ep))
     try:
         chunks = build_model_chunks(arch, BuildOptions(padded_vocab_size=padded_vocab))
         load_mcore_checkpoint(chunks, mcore_dir)
@@ -55,10 +56,10 @@ def _mcore_to_hf(mcore_dir: str, out: str, tp: int, pp: int, vpp: int | None) ->
     return {"out": out}
 
 
-def _check(hf_dir: str, tp: int, pp: int, vpp: int | None) -> list[dict]:
+def _check(hf_dir: str, tp: int, pp: int, vpp: int | None, ep: int) -> list[dict]:
     from rlfactory_megatron.models.parity import job_parity
 
-    return job_parity(hf_dir, tp, pp, vpp)
+    return job_parity(hf_dir, tp, pp, vpp, ep)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--tp", type=int, default=1)
         p.add_argument("--pp", type=int, default=1)
         p.add_argument("--vpp", type=int, default=None)
+        p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (MoE models)")
     return parser
 
 
@@ -97,18 +99,18 @@ def main(argv: list[str] | None = None) -> int:
         arch = read_mcore_meta(args.mcore_dir)[0] if args.command == "mcore-to-hf" else load_arch(args.hf_dir)
         from omegaconf import OmegaConf
 
-        sizes = OmegaConf.create({"parallel": {"tp": args.tp, "pp": args.pp, "vpp": args.vpp}})
-        validate_against_model(sizes, arch, args.tp * args.pp)
-        world = args.tp * args.pp
+        sizes = OmegaConf.create({"parallel": {"tp": args.tp, "pp": args.pp, "vpp": args.vpp, "ep": args.ep}})
+        world = args.tp * args.pp * args.ep
+        validate_against_model(sizes, arch, world)
+        layout = (args.tp, args.pp, args.vpp, args.ep)
         if args.command == "hf-to-mcore":
-            run_as_job(_hf_to_mcore, world, args.hf_dir, args.out, args.tp, args.pp, args.vpp)
-            print(f"rlf-convert: wrote Megatron checkpoint (tp={args.tp}, pp={args.pp}) to {args.out}")
+            run_as_job(_hf_to_mcore, world, args.hf_dir, args.out, *layout)
+            print(f"rlf-convert: wrote Megatron checkpoint (tp={args.tp}, pp={args.pp}, ep={args.ep}) to {args.out}")
         elif args.command == "mcore-to-hf":
-            run_as_job(_mcore_to_hf, world, args.mcore_dir, args.out, args.tp, args.pp, args.vpp)
+            run_as_job(_mcore_to_hf, world, args.mcore_dir, args.out, *layout)
             print(f"rlf-convert: wrote HF checkpoint to {args.out}")
         else:
-            results = [r for every in run_as_job(_check, world, args.hf_dir, args.tp, args.pp, args.vpp)
-                       for r in every]
+            results = [r for every in run_as_job(_check, world, args.hf_dir, *layout) for r in every]
             worst = {k: max(r.get(k, 0.0) for r in results) for k in ("logits_max_diff", "loss_diff", "grad_max_diff")}
             # Under a launcher every rank runs this command; one line per job, not one per rank
             # (ranks writing to one stdout interleave their lines).

@@ -14,6 +14,8 @@ DEFAULT_CONFIG = Path(__file__).with_name("default.yaml")
 CHOICES: dict[str, tuple] = {
     "model.params_dtype": ("auto", "float32", "bfloat16", "float16"),
     "model.layer_spec": ("auto", "local_sdpa", "local", "transformer_engine"),
+    "model.moe.load_balancing": ("none", "aux_loss", "seq_aux_loss"),
+    "model.moe.router_dtype": ("fp32", "fp64"),
     "actor.optim.lr_decay_style": ("constant", "linear", "cosine"),
     "critic.optim.lr_decay_style": ("constant", "linear", "cosine"),
     "trainer.sft_lr_decay_style": ("constant", "linear", "cosine"),
@@ -23,14 +25,14 @@ CHOICES: dict[str, tuple] = {
     "tools.turn_schedule": ("per_sample", "lockstep"),
     "logging.wandb_mode": ("online", "offline"),
 }
-POSITIVE_INTS = ("parallel.tp", "parallel.pp", "parallel.cp", "rollout.n", "rollout.tp", "actor.ppo_epochs",
+POSITIVE_INTS = ("parallel.tp", "parallel.pp", "parallel.cp", "parallel.ep", "rollout.n", "rollout.tp", "actor.ppo_epochs",
                  "actor.mini_batch_size", "actor.max_tokens_per_microbatch", "trainer.total_steps",
                  "trainer.prompts_per_step", "weight_sync.bucket_mb", "tools.max_turns", "trainer.sft_batch_size",
                  "trainer.max_skipped_updates", "rollout.max_prompt_tokens", "rollout.max_response_tokens",
                  "tools.tool_response_max_tokens", "tools.num_workers", "tools.max_concurrency", "reward.num_workers",
                  "critic.ppo_epochs", "trainer.keep_last", "cache.tool_cache_max_mb", "logging.log_every",
                  "rollout.max_num_seqs")
-NON_NEGATIVE = ("trainer.save_every", "trainer.val_every", "trainer.val_prompts", "trainer.sft_steps", "trainer.max_refill_rounds",
+NON_NEGATIVE = ("model.moe.aux_loss_coeff", "model.moe.z_loss_coeff", "trainer.save_every", "trainer.val_every", "trainer.val_prompts", "trainer.sft_steps", "trainer.max_refill_rounds",
                 "trainer.max_staleness",
                 "actor.optim.warmup_steps", "critic.optim.warmup_steps", "actor.optim.min_lr", "critic.optim.min_lr",
                 "actor.optim.weight_decay", "critic.optim.weight_decay", "actor.optim.clip_grad",
@@ -160,6 +162,11 @@ def validate_static(cfg) -> None:
     if cfg.parallel.vpp is not None and cfg.parallel.pp < 2:
         raise ConfigError(f"parallel.vpp={cfg.parallel.vpp} needs parallel.pp >= 2 (or set parallel.vpp=null)")
     _check_context_parallel(cfg)
+    moe = cfg.model.moe
+    if (moe.load_balancing == "none") != (moe.aux_loss_coeff == 0):
+        raise ConfigError(f"model.moe.aux_loss_coeff={moe.aux_loss_coeff} with model.moe.load_balancing="
+                          f"{moe.load_balancing}: the coefficient weighs that loss; set both (e.g. aux_loss and "
+                          "1e-3) or neither (none and 0)")
     _check_rewards_and_tools(cfg)
     _check_wandb(cfg.logging)
     _check_memory_keys(cfg)
@@ -364,6 +371,7 @@ def validate_against_model(cfg, arch, world_size: int) -> None:
             f"world size {world_size} is not divisible by parallel.tp*parallel.pp*parallel.cp={tp}*{pp}*{cp}; "
             f"use tp*pp*cp in {{{', '.join(str(d) for d in _divisors(world_size))}}}"
         )
+    _check_expert_layout(cfg, arch, world_size)
     if arch.num_heads % tp != 0:
         raise ConfigError(f"parallel.tp={tp} does not divide the model's {arch.num_heads} attention heads; "
                           f"use one of {_divisors(arch.num_heads)}")
@@ -374,6 +382,25 @@ def validate_against_model(cfg, arch, world_size: int) -> None:
     if arch.num_layers % stages != 0:
         raise ConfigError(f"parallel.pp*vpp={stages} does not divide the model's {arch.num_layers} layers; "
                           f"use one of {_divisors(arch.num_layers)}")
+
+
+def _check_expert_layout(cfg, arch, world_size: int) -> None:
+    """parallel.ep against the model's experts and the job: megatron splits the experts evenly over
+    the EP ranks and lays tp x ep x pp ranks out per expert group."""
+    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    ep = OmegaConf.select(cfg, "parallel.ep", default=1)
+    if ep > 1 and arch.moe is None:
+        raise ConfigError(f"parallel.ep={ep} needs a mixture-of-experts model; model '{arch.model_type}' is dense: "
+                          "set parallel.ep=1")
+    if arch.moe is not None and arch.moe.num_experts % ep:
+        raise ConfigError(f"parallel.ep={ep} does not divide the model's {arch.moe.num_experts} experts; "
+                          f"use one of {_divisors(arch.moe.num_experts)}")
+    if world_size % (tp * ep * pp):
+        raise ConfigError(f"parallel.tp*parallel.ep*parallel.pp={tp}*{ep}*{pp} does not divide the world of "
+                          f"{world_size} rank(s) (megatron's expert groups); lower parallel.ep or add ranks")
+    if arch.moe is not None and tp > 1 and not OmegaConf.select(cfg, "parallel.sequence_parallel", default=True):
+        raise ConfigError(f"parallel.tp={tp} with a MoE model needs parallel.sequence_parallel=true "
+                          "(megatron's MoE layer trains under TP only with sequence parallelism)")
 
 
 def _check_engine_devices(cfg) -> None:

@@ -8,15 +8,30 @@ from omegaconf import MISSING
 
 
 @dataclass
+class MoEConfig:
+    # The router's load-balancing loss: none | aux_loss (per micro-batch) | seq_aux_loss (per
+    # sequence). none is the RL default of verl, slime and NeMo-RL: a balancing loss pulls the
+    # router away from the routes the rollout sampled with, for a load that only matters at scale.
+    load_balancing: str = "none"
+    aux_loss_coeff: float = 0.0  # weight of the load-balancing loss (needs load_balancing != none)
+    z_loss_coeff: float = 0.0  # weight of the router z-loss, which keeps router logits small; 0: off
+    # Precision of the router's logits, softmax and top-k: fp32 (the peers' RL default: bf16 routes
+    # flip between trainer and engine on near ties) | fp64
+    router_dtype: str = "fp32"
+    freeze_router: bool = False  # no gradient to the routers: routes move only with the hidden states
+
+
+@dataclass
 class ModelConfig:
-    # HF folder, or tiny://<llama|qwen2|qwen3> for a locally built tiny model; required (the
-    # embedded default, a run without --config, uses tiny://qwen3)
+    # HF folder, or tiny://<llama|qwen2|qwen3|qwen3_moe> for a locally built tiny model; required
+    # (the embedded default, a run without --config, uses tiny://qwen3)
     path: str = MISSING
     # auto | float32 | bfloat16 | float16; auto: bfloat16 with Transformer-Engine layers (TE's
     # attention has no float32 kernel for the actor's packed sequences), float32 otherwise
     params_dtype: str = "auto"
     layer_spec: str = "auto"  # auto (TE on GPU, local_sdpa on CPU) | local_sdpa | local | transformer_engine
     recompute_activations: bool = False  # recompute each layer's activations in the backward pass (memory for time)
+    moe: MoEConfig = field(default_factory=MoEConfig)  # mixture-of-experts models' router (docs/moe.md)
 
 
 @dataclass
@@ -29,6 +44,10 @@ class ParallelConfig:
     # balanced for causal attention) and attention spans the group; dp = world / (tp * pp * cp).
     # For long trajectories: each rank keeps 1/cp of a micro-batch's activations.
     cp: int = 1
+    # Expert-parallel ranks of a mixture-of-experts model: each holds experts / ep of every MoE
+    # layer (tokens travel to their experts and back); divides the experts, tp * ep * pp divides
+    # the world; expert tensor parallelism is tp.
+    ep: int = 1
     # Memory of one training GPU in GiB, which the memory plan (rlf-train --plan, and every run's
     # start-up) must fit: on a GPU, the device's own or this if smaller; on a machine without one,
     # the GPU to plan for (null there: the plan is shown, not checked).

@@ -8,9 +8,20 @@ import torch
 import torch.nn.functional as F
 
 from rlfactory_megatron.models.hf_arch import ModelArch, rope_inv_freq
-from rlfactory_megatron.runtime.cpu_compat import compute_device, cuda_available
+from rlfactory_megatron.runtime.cpu_compat import allow_moe_without_transformer_engine, compute_device, cuda_available
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class MoEOptions:
+    """A mixture-of-experts model's router settings (config `model.moe`; docs/moe.md)."""
+
+    load_balancing: str = "none"  # none | aux_loss | seq_aux_loss
+    aux_loss_coeff: float = 0.0
+    z_loss_coeff: float = 0.0
+    router_dtype: str = "fp32"  # fp32 | fp64
+    freeze_router: bool = False
 
 
 @dataclass(frozen=True)
@@ -22,6 +33,7 @@ class BuildOptions:
     sequence_parallel: bool = False
     padded_vocab_size: int | None = None  # keep a checkpoint's padding when loading it at another TP
     output_hidden_states: bool = False  # policy: last stage returns hidden states, not logits (fused log-prob)
+    moe: MoEOptions = MoEOptions()  # ignored by a dense model
 
 
 def _transformer_engine_available() -> bool:
@@ -83,12 +95,38 @@ def fusions(layer_spec: str, on_gpu: bool) -> dict[str, bool]:
     }
 
 
+def moe_settings(arch: ModelArch, layer_spec: str, on_gpu: bool, options: MoEOptions = MoEOptions()) -> dict:
+    """megatron's MoE fields for `arch` (none for a dense model). HF's router takes a softmax over
+    all experts, then the top-k, renormalized when `norm_topk_prob`: megatron's top-k then softmax
+    over the k is the same function, its pre-softmax (no renormalization) the other. Tokens travel
+    by all-to-all on GPU; on CPU by all-gather, whose dispatcher asks nothing of CUDA streams."""
+    from megatron.core import parallel_state
+
+    if arch.moe is None:
+        return {}
+    return dict(
+        num_moe_experts=arch.moe.num_experts,
+        moe_router_topk=arch.moe.top_k,
+        moe_ffn_hidden_size=arch.moe.expert_ffn_hidden_size,
+        moe_router_pre_softmax=not arch.moe.norm_topk_prob,
+        moe_grouped_gemm=layer_spec == "transformer_engine",  # TEGroupedMLP; the local spec's SequentialMLP
+        moe_token_dispatcher_type="alltoall" if on_gpu else "allgather",
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
+        moe_router_load_balancing_type=options.load_balancing,
+        moe_aux_loss_coeff=options.aux_loss_coeff,
+        moe_z_loss_coeff=options.z_loss_coeff or None,  # megatron's "off"
+        moe_router_dtype=options.router_dtype,
+    )
+
+
 def transformer_config(arch: ModelArch, options: BuildOptions):
     from megatron.core import parallel_state
     from megatron.core.transformer import TransformerConfig
 
     dtype = _DTYPES[options.params_dtype]
     on_gpu = cuda_available()
+    layer_spec = resolve_layer_spec(options.layer_spec)
     return TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -115,7 +153,8 @@ def transformer_config(arch: ModelArch, options: BuildOptions):
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         use_cpu_initialization=not on_gpu,
-        **fusions(resolve_layer_spec(options.layer_spec), on_gpu),
+        **fusions(layer_spec, on_gpu),
+        **moe_settings(arch, layer_spec, on_gpu, options.moe),
         # gloo cannot batch isend/irecv safely for the interleaved schedule (silently wrong).
         batch_p2p_comm=on_gpu,
         # As megatron's own training sets it: a stage frees its output activations once sent, and
@@ -230,14 +269,19 @@ def build_model_chunks(arch: ModelArch, options: BuildOptions = BuildOptions()) 
     if vocab % tp or vocab < arch.vocab_size:
         raise ValueError(f"padded vocab size {vocab} must be >= {arch.vocab_size} and divisible by tp={tp}")
     spec_name = resolve_layer_spec(options.layer_spec)
+    experts = arch.moe.num_experts if arch.moe else None
+    if experts:
+        allow_moe_without_transformer_engine()
     if spec_name.startswith("local"):
-        layer_spec = get_gpt_layer_local_spec(qk_layernorm=arch.features.qk_norm, normalization="RMSNorm")
+        layer_spec = get_gpt_layer_local_spec(num_experts=experts, qk_layernorm=arch.features.qk_norm,
+                                              normalization="RMSNorm")
         if spec_name == "local_sdpa":
             from rlfactory_megatron.models.sdpa_attention import SDPACoreAttention
 
             layer_spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     else:
-        layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.features.qk_norm)
+        layer_spec = get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=bool(experts),
+                                                                qk_layernorm=arch.features.qk_norm)
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     chunks = []
     for vp_stage in range(vpp or 1):
@@ -265,6 +309,10 @@ def build_model_chunks(arch: ModelArch, options: BuildOptions = BuildOptions()) 
                                            config.init_method_std)
         elif options.output_hidden_states and post:
             model.output_layer = HiddenStatesOutput(model.output_layer)
+        if options.moe.freeze_router:
+            for name, param in model.named_parameters():
+                if name.endswith(".mlp.router.weight"):
+                    param.requires_grad_(False)
         model.to(compute_device())
         chunks.append(model)
     return chunks

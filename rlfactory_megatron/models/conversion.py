@@ -1,9 +1,12 @@
 """HF <-> Megatron weights, table-driven and sharded by TP and PP.
 
 `PARAM_RULES` maps each megatron parameter (local and Transformer-Engine names) to its
-HF tensor(s) and how it is split across tensor-parallel ranks. Loading reads only this
-rank's slices from safetensors; exporting streams `(hf_name, full_tensor)` one tensor at a
-time (TP all-gather, then PP broadcast), which is what weight sync and HF export consume.
+HF tensor(s) and how it is split across tensor-parallel ranks. A MoE expert's parameters
+are split over the expert-TP group and live on one rank of the expert-parallel group, which
+holds a contiguous block of experts: its local expert index plus the block's offset is HF's.
+Loading reads only this rank's slices from safetensors; exporting streams `(hf_name,
+full_tensor)` one tensor at a time (TP all-gather, for experts then an EP all-gather, then PP
+broadcast), which is what weight sync and HF export consume.
 """
 from __future__ import annotations
 
@@ -24,13 +27,19 @@ from rlfactory_megatron.runtime.cpu_compat import compute_device
 class ParamRule:
     """One megatron parameter pattern and the HF tensors it is made of."""
 
-    mcore: str  # regex over the chunk-local megatron name; (?P<layer>) is the local layer index
-    hf: tuple[str, ...]  # HF names; {layer} is the global layer index
+    mcore: str  # regex over the chunk-local megatron name; (?P<layer>) is the local layer index,
+    # (?P<expert>) the expert's index on this expert-parallel rank
+    hf: tuple[str, ...]  # HF names; {layer} is the global layer index, {expert} the global expert index
     split: str  # replicated | column | row | vocab | qkv | gate_up
 
 
 _L = r"decoder\.layers\.(?P<layer>\d+)\."
 _H = "model.layers.{layer}."
+_E = _H + "mlp.experts.{expert}."
+# An expert's SwiGLU: the local spec's SequentialMLP holds one module per expert, the TE spec's
+# TEGroupedMLP one weight per expert in a shared module.
+_EXPERT_FC1 = (_E + "gate_proj.weight", _E + "up_proj.weight")
+_EXPERT_FC2 = (_E + "down_proj.weight",)
 PARAM_RULES: tuple[ParamRule, ...] = (
     ParamRule(r"embedding\.word_embeddings\.weight", ("model.embed_tokens.weight",), "vocab"),
     ParamRule(_L + r"input_layernorm\.weight", (_H + "input_layernorm.weight",), "replicated"),
@@ -45,6 +54,11 @@ PARAM_RULES: tuple[ParamRule, ...] = (
     ParamRule(_L + r"mlp\.linear_fc1\.layer_norm_weight", (_H + "post_attention_layernorm.weight",), "replicated"),
     ParamRule(_L + r"mlp\.linear_fc1\.weight", (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"), "gate_up"),
     ParamRule(_L + r"mlp\.linear_fc2\.weight", (_H + "mlp.down_proj.weight",), "row"),
+    ParamRule(_L + r"mlp\.router\.weight", (_H + "mlp.gate.weight",), "replicated"),
+    ParamRule(_L + r"mlp\.experts\.local_experts\.(?P<expert>\d+)\.linear_fc1\.weight", _EXPERT_FC1, "gate_up"),
+    ParamRule(_L + r"mlp\.experts\.local_experts\.(?P<expert>\d+)\.linear_fc2\.weight", _EXPERT_FC2, "row"),
+    ParamRule(_L + r"mlp\.experts\.linear_fc1\.weight(?P<expert>\d+)", _EXPERT_FC1, "gate_up"),
+    ParamRule(_L + r"mlp\.experts\.linear_fc2\.weight(?P<expert>\d+)", _EXPERT_FC2, "row"),
     ParamRule(r"decoder\.final_layernorm\.weight", ("model.norm.weight",), "replicated"),
     ParamRule(r"output_layer\.weight", ("lm_head.weight",), "vocab"),
 )
@@ -61,18 +75,52 @@ class BoundParam:
     hf_names: tuple[str, ...]
     split: str
     export: bool = True  # False for the last stage's copy of tied embeddings
+    # An expert's parameter: its HF names on every rank of the expert-parallel group (this rank's
+    # are `hf_names`), which the export gathers; empty for every other parameter.
+    ep_hf_names: tuple[tuple[str, ...], ...] = ()
+
+    @property
+    def expert(self) -> bool:
+        return bool(self.ep_hf_names)
+
+    @property
+    def export_names(self) -> tuple[str, ...]:
+        """The HF tensors exporting this parameter yields, in order: every EP rank's for an expert."""
+        return tuple(name for names in self.ep_hf_names for name in names) or self.hf_names
 
 
-def _tp():
+def _tp(expert: bool = False):
+    """(rank, size, group) of the TP group that splits a parameter: the expert-TP one for an expert's."""
     from megatron.core import parallel_state
 
+    if expert:
+        return (parallel_state.get_expert_tensor_parallel_rank(),
+                parallel_state.get_expert_tensor_parallel_world_size(),
+                parallel_state.get_expert_tensor_parallel_group())
     return (parallel_state.get_tensor_model_parallel_rank(),
             parallel_state.get_tensor_model_parallel_world_size(),
             parallel_state.get_tensor_model_parallel_group())
 
 
+def hf_names_of(rule: ParamRule, match: re.Match, layer_numbers: dict[int, int], experts_per_rank: int,
+                ep: int) -> tuple[tuple[str, ...], ...]:
+    """The HF names a matched megatron parameter stands for on each of the `ep` expert-parallel
+    ranks (one tuple unless it is an expert's, whose global index depends on the rank)."""
+    fields = match.groupdict()
+    layer = layer_numbers[int(fields["layer"])] if "layer" in fields else None
+    if "expert" not in fields:
+        return (tuple(n.format(layer=layer) for n in rule.hf),)
+    return tuple(tuple(n.format(layer=layer, expert=rank * experts_per_rank + int(fields["expert"])) for n in rule.hf)
+                 for rank in range(ep))
+
+
 def bind_params(chunks: list[torch.nn.Module], arch: ModelArch) -> list[BoundParam]:
     """Match every parameter of this rank's chunks to its rule; unknown parameters are an error."""
+    from megatron.core import parallel_state
+
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    experts_per_rank = arch.moe.num_experts // ep if arch.moe else 0
     bound = []
     for chunk in chunks:
         layer_numbers = {}
@@ -89,10 +137,11 @@ def bind_params(chunks: list[torch.nn.Module], arch: ModelArch) -> list[BoundPar
                     break
             else:
                 raise CheckpointError(f"megatron parameter '{name}' has no HF mapping in PARAM_RULES")
-            hf_names = rule.hf
-            if "layer" in match.groupdict():
-                layer = layer_numbers[int(match.group("layer"))]
-                hf_names = tuple(n.format(layer=layer) for n in rule.hf)
+            per_ep_rank = hf_names_of(rule, match, layer_numbers, experts_per_rank, ep)
+            if "expert" in match.groupdict():
+                bound.append(BoundParam(name, param, per_ep_rank[ep_rank], rule.split, ep_hf_names=per_ep_rank))
+                continue
+            hf_names = per_ep_rank[0]
             if name == "output_layer.weight" and arch.tie_word_embeddings:
                 # The last stage's copy of tied embeddings (PP > 1): loaded from, not exported as, embed_tokens.
                 bound.append(BoundParam(name, param, ("model.embed_tokens.weight",), "vocab", export=False))
@@ -117,8 +166,8 @@ def _expected_full_shapes(bp: BoundParam, arch: ModelArch, tp: int) -> list[tupl
     if bp.split == "qkv":
         tail = local[1:]
         return [(arch.num_heads * d, *tail), (arch.num_kv_heads * d, *tail), (arch.num_kv_heads * d, *tail)]
-    if bp.split == "gate_up":
-        return [(arch.ffn_hidden_size, hidden)] * 2
+    if bp.split == "gate_up":  # a dense MLP's or an expert's, each half split over TP
+        return [(local[0] // 2 * tp, local[1])] * 2
     raise AssertionError(bp.split)
 
 
@@ -162,8 +211,8 @@ def _read_shard(reader: HFCheckpointReader, bp: BoundParam, arch: ModelArch, tp_
 def load_hf_weights(chunks: list[torch.nn.Module], arch: ModelArch, hf_dir: str) -> None:
     """Copy this rank's slices of the HF checkpoint into its megatron shards (no full-model copy)."""
     reader = HFCheckpointReader(hf_dir)
-    tp_rank, tp, _ = _tp()
     for bp in bind_params(chunks, arch):
+        tp_rank, tp, _ = _tp(bp.expert)
         if bp.hf_names == (VALUE_HEAD_HF_NAME,) and VALUE_HEAD_HF_NAME not in reader.names():
             continue  # a critic initialized from a policy checkpoint keeps its fresh head
         for hf_name, expected in zip(bp.hf_names, _expected_full_shapes(bp, arch, tp)):
@@ -209,18 +258,32 @@ def _gather_tp(tensor: torch.Tensor, tp: int, group) -> list[torch.Tensor]:
     return shards
 
 
+def _gather_ep(tensors: list[torch.Tensor], bp: BoundParam) -> list[torch.Tensor]:
+    """An expert's full tensors from every rank of the expert-parallel group, in `export_names` order."""
+    from megatron.core import parallel_state
+
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    if ep == 1:
+        return tensors
+    gathered = []
+    for tensor in tensors:
+        parts = [torch.empty_like(tensor) for _ in range(ep)]
+        dist.all_gather(parts, tensor.contiguous(), group=parallel_state.get_expert_model_parallel_group())
+        gathered.append(parts)
+    return [parts[rank] for rank in range(ep) for parts in gathered]
+
+
 def _stage_manifests(chunks, arch, source) -> tuple[list, dict]:
     """Per pipeline stage: the HF names, full shapes and dtypes it owns (collective over PP)."""
     from megatron.core import parallel_state
 
-    _, tp, _ = _tp()
     bound = [bp for bp in bind_params(chunks, arch) if bp.export]
-    manifest = [(bp.hf_names, _full_meta(bp, arch, tp, source)) for bp in bound]
+    manifest = [(bp.export_names, _full_meta(bp, arch, source)) for bp in bound]
     manifests = [manifest]
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         manifests = [None] * parallel_state.get_pipeline_model_parallel_world_size()
         dist.all_gather_object(manifests, manifest, group=parallel_state.get_pipeline_model_parallel_group())
-    return manifests, {bp.hf_names: bp for bp in bound}
+    return manifests, {bp.export_names: bp for bp in bound}
 
 
 def hf_weight_manifest(chunks: list[torch.nn.Module], arch: ModelArch) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -243,7 +306,6 @@ def iter_hf_tensors(
     """
     from megatron.core import parallel_state
 
-    _, tp, tp_group = _tp()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     pp_group = parallel_state.get_pipeline_model_parallel_group()
@@ -253,7 +315,10 @@ def iter_hf_tensors(
         for hf_names, metas in stage_manifest:
             if owner == pp_rank:
                 bp = local[hf_names]
+                _, tp, tp_group = _tp(bp.expert)
                 fulls = _merge_tp(bp, _gather_tp(source(bp.param), tp, tp_group), arch)
+                if bp.expert:
+                    fulls = _gather_ep(fulls, bp)
             else:
                 fulls = [torch.empty(shape, dtype=dt, device=compute_device()) for shape, dt in metas]
             for name, full in zip(hf_names, fulls):
@@ -262,8 +327,9 @@ def iter_hf_tensors(
                 yield name, full if dtype is None else full.to(dtype)
 
 
-def _full_meta(bp: BoundParam, arch: ModelArch, tp: int, source) -> list[tuple[tuple[int, ...], torch.dtype]]:
+def _full_meta(bp: BoundParam, arch: ModelArch, source) -> list[tuple[tuple[int, ...], torch.dtype]]:
     dt = source(bp.param).dtype
-    return [(shape, dt) for shape in _expected_full_shapes(bp, arch, tp)]
+    _, tp, _ = _tp(bp.expert)
+    return [(shape, dt) for shape in _expected_full_shapes(bp, arch, tp)] * max(1, len(bp.ep_hf_names))
 
 

@@ -1,4 +1,4 @@
-"""Hugging Face `config.json` -> what megatron needs to build the same decoder (Llama 3, Qwen2/2.5, Qwen3)."""
+"""Hugging Face `config.json` -> what megatron needs to build the same decoder (Llama 3, Qwen2/2.5, Qwen3, Qwen3-MoE)."""
 from __future__ import annotations
 
 import json
@@ -14,15 +14,27 @@ class ArchFeatures:
 
     qkv_bias: bool
     qk_norm: bool
+    moe: bool = False  # every layer's MLP is a mixture of SwiGLU experts behind a softmax top-k router
 
 
 # One entry per supported HF `model_type`; everything else about the layer is shared
-# (pre-norm RMSNorm, GQA attention with RoPE, SwiGLU MLP, no other biases).
+# (pre-norm RMSNorm, GQA attention with RoPE, SwiGLU MLP or experts, no other biases).
 SUPPORTED_ARCHITECTURES: dict[str, ArchFeatures] = {
     "llama": ArchFeatures(qkv_bias=False, qk_norm=False),
     "qwen2": ArchFeatures(qkv_bias=True, qk_norm=False),
     "qwen3": ArchFeatures(qkv_bias=False, qk_norm=True),
+    "qwen3_moe": ArchFeatures(qkv_bias=False, qk_norm=True, moe=True),
 }
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """The sparse MLP of a mixture-of-experts decoder: every layer sparse, no shared expert."""
+
+    num_experts: int
+    top_k: int  # experts each token is routed to
+    expert_ffn_hidden_size: int  # one expert's SwiGLU intermediate size (HF moe_intermediate_size)
+    norm_topk_prob: bool  # the top-k routing probabilities are renormalized to sum to 1
 
 
 @dataclass(frozen=True)
@@ -44,6 +56,7 @@ class ModelArch:
     rope_scaling: dict[str, Any] | None
     tie_word_embeddings: bool
     torch_dtype: str
+    moe: MoEShape | None = None  # None: a dense model
     hf_config: dict[str, Any] = field(repr=False, compare=False, hash=False, default_factory=dict)
 
     @property
@@ -55,19 +68,25 @@ class ModelArch:
         multiple = divisible_by * tp
         return int(math.ceil(self.vocab_size / multiple) * multiple)
 
-    def parameter_count(self, tp: int = 1, pp: int = 1, stage: int = 0, value_head: bool = False) -> int:
+    def parameter_count(self, tp: int = 1, pp: int = 1, stage: int = 0, value_head: bool = False, ep: int = 1) -> int:
         """Parameters of the megatron model on one rank of pipeline stage `stage` (at tp=pp=1:
         the whole model, e.g. 7,615,616,512 for Qwen2-7B). The first stage holds the embedding,
         the last the final norm and the LM head (a tied head is a copy of its own there when
         pp > 1) or, for a critic, the [hidden -> 1] value head; TP splits every projection and
-        the vocab, norms are replicated."""
+        the vocab, norms are replicated. A MoE layer's experts are split over `ep` ranks (and
+        each over TP, megatron's default expert TP), its router replicated."""
         h, hd = self.hidden_size, self.head_dim
         qkv = (self.num_heads + 2 * self.num_kv_heads) * hd
+        if self.moe is None:
+            mlp = 3 * self.ffn_hidden_size * h // tp  # SwiGLU: gate, up, down
+        else:
+            mlp = (self.moe.num_experts * h  # router
+                   + self.moe.num_experts // ep * 3 * self.moe.expert_ffn_hidden_size * h // tp)
         layer = (2 * h  # the attention's and the MLP's RMSNorm
                  + (qkv * h + (qkv if self.features.qkv_bias else 0)) // tp
                  + (2 * hd if self.features.qk_norm else 0)  # q/k RMSNorm over head_dim, replicated
                  + self.num_heads * hd * h // tp  # output projection
-                 + 3 * self.ffn_hidden_size * h // tp)  # SwiGLU: gate, up, down
+                 + mlp)
         count = self.num_layers // pp * layer
         vocab = self.padded_vocab_size(tp) // tp * h
         if stage == 0:
@@ -124,6 +143,7 @@ def arch_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Mod
     features = SUPPORTED_ARCHITECTURES[model_type]
     if model_type == "llama" and cfg.get("attention_bias", False):
         raise UnsupportedCheckpointError(f"{source}: llama with attention_bias=true is not supported")
+    moe = _moe_shape(cfg, source) if features.moe else None
     return ModelArch(
         model_type=model_type,
         features=features,
@@ -140,8 +160,26 @@ def arch_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Mod
         rope_scaling=scaling,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         torch_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
+        moe=moe,
         hf_config=dict(cfg),
     )
+
+
+def _moe_shape(cfg: dict[str, Any], source: str) -> MoEShape:
+    # Qwen3-MoE checkpoints name the expert count `num_experts`; transformers 5 saves `num_local_experts`.
+    num_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    for key, value in (("num_experts", num_experts), ("num_experts_per_tok", cfg.get("num_experts_per_tok")),
+                       ("moe_intermediate_size", cfg.get("moe_intermediate_size"))):
+        if value is None:
+            raise UnsupportedCheckpointError(f"{source}: required key '{key}' is missing")
+    # Megatron builds one layer spec for the whole decoder: dense layers between sparse ones are not built.
+    if int(cfg.get("decoder_sparse_step", 1)) != 1 or cfg.get("mlp_only_layers"):
+        raise UnsupportedCheckpointError(f"{source}: dense MLP layers in a MoE model (decoder_sparse_step="
+                                         f"{cfg.get('decoder_sparse_step', 1)}, mlp_only_layers="
+                                         f"{cfg.get('mlp_only_layers')}) are not supported; every layer must be sparse")
+    return MoEShape(num_experts=int(num_experts), top_k=int(cfg["num_experts_per_tok"]),
+                    expert_ffn_hidden_size=int(cfg["moe_intermediate_size"]),
+                    norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
 
 
 def load_arch(hf_dir: str | Path) -> ModelArch:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlfactory_megatron.models.builder import build_model_chunks
+from rlfactory_megatron.models.builder import BuildOptions, build_model_chunks
 from rlfactory_megatron.models.conversion import iter_hf_tensors, load_hf_weights
 from rlfactory_megatron.models.hf_arch import load_arch
 from rlfactory_megatron.models.hf_checkpoint import write_safetensors_shards
@@ -21,28 +21,32 @@ from rlfactory_megatron.runtime.distributed import ParallelSizes, destroy_distri
 
 
 def _hf_reference(hf_dir: str, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """HF's logits, loss and gradients, the gradients under the checkpoint's names (transformers
+    keeps a MoE layer's experts fused in memory, the checkpoint has one tensor per expert)."""
     import transformers
+    from transformers.core_model_loading import revert_weight_conversion
 
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     logits = model(input_ids).logits
     loss = -torch.log_softmax(logits[:, :-1], -1).gather(-1, input_ids[:, 1:, None]).mean()
     loss.backward()
-    grads = {name: p.grad for name, p in model.named_parameters()}
+    grads = revert_weight_conversion(model, {name: p.grad for name, p in model.named_parameters()})
     return logits.detach(), loss.detach(), grads
 
 
 def _finalize_grads(chunks: list[torch.nn.Module]) -> None:
     """What megatron's finalize_model_grads does without DDP: sum partial gradients across ranks.
 
-    q/k layernorms see only this TP rank's heads; with PP > 1 the first and last stage each
-    hold a copy of tied embeddings.
+    q/k layernorms see only this TP rank's heads, and under sequence parallelism the weights
+    megatron marks `sequence_parallel` (norms, a MoE router) only its part of the sequence;
+    with PP > 1 the first and last stage each hold a copy of tied embeddings.
     """
     from megatron.core import parallel_state
 
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
         for chunk in chunks:
             for name, param in chunk.named_parameters():
-                if "q_layernorm" in name or "k_layernorm" in name:
+                if "q_layernorm" in name or "k_layernorm" in name or getattr(param, "sequence_parallel", False):
                     dist.all_reduce(param.grad, group=parallel_state.get_tensor_model_parallel_group())
     if parallel_state.get_pipeline_model_parallel_world_size() == 1 or not parallel_state.is_rank_in_embedding_group():
         return
@@ -58,8 +62,12 @@ def check_parity(hf_dir: str, export_dir: str | None = None, seq_len: int = 16, 
 
     Collective over an initialized (tp, pp[, vpp]) job.
     """
+    from megatron.core import parallel_state
+
     arch = load_arch(hf_dir)
-    chunks = build_model_chunks(arch)
+    # megatron trains MoE layers under TP only with sequence parallelism (its MoE layer refuses otherwise).
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    chunks = build_model_chunks(arch, BuildOptions(sequence_parallel=arch.moe is not None and tp > 1))
     load_hf_weights(chunks, arch, hf_dir)
     input_ids = torch.randint(0, arch.vocab_size, (batch_size, seq_len), generator=torch.Generator().manual_seed(seed))
     # One sample per micro-batch: exercises gradient accumulation and the (V)PP schedules.
@@ -84,8 +92,13 @@ def check_parity(hf_dir: str, export_dir: str | None = None, seq_len: int = 16, 
         loss = torch.stack([out["loss"] for out in outputs]).mean()
         result["logits_max_diff"] = (logits - ref_logits).abs().max().item()
         result["loss_diff"] = abs(loss.item() - ref_loss.item())
+    # Every data-parallel replica runs the same batch, and the ranks of an expert-parallel group
+    # send their tokens to each other's experts: an expert's gradient sums over the group's
+    # replicas (megatron's DDP then averages it), every other parameter's is one replica's.
+    replicas = parallel_state.get_expert_model_parallel_world_size()
     grad_diffs = {name: (grad.cpu() - ref_grads[name]).abs().max().item()
-                  for name, grad in iter_hf_tensors(chunks, arch, source=lambda p: p.grad)}
+                  for name, grad in iter_hf_tensors(
+                      chunks, arch, source=lambda p: p.grad if getattr(p, "allreduce", True) else p.grad / replicas)}
     result["grad_max_diff"] = max(grad_diffs.values())
     result["grad_names_missing"] = sorted(set(ref_grads) - set(grad_diffs))
     if export_dir is not None:
@@ -99,9 +112,9 @@ def check_parity(hf_dir: str, export_dir: str | None = None, seq_len: int = 16, 
 
 
 def parity_worker(hf_dirs: list[str], tp: int, pp: int, vpp: int | None = None,
-                  export_dirs: list[str | None] | None = None) -> list[dict[str, Any]]:
+                  export_dirs: list[str | None] | None = None, ep: int = 1) -> list[dict[str, Any]]:
     """One rank of a parity job over several checkpoints (process groups are set up once)."""
-    init_distributed(ParallelSizes(tp, pp, vpp))
+    init_distributed(ParallelSizes(tp, pp, vpp, ep=ep))
     try:
         exports = export_dirs or [None] * len(hf_dirs)
         return [check_parity(hf_dir, export) for hf_dir, export in zip(hf_dirs, exports)]
@@ -109,11 +122,11 @@ def parity_worker(hf_dirs: list[str], tp: int, pp: int, vpp: int | None = None,
         destroy_distributed()
 
 
-def job_parity(hf_dir: str, tp: int, pp: int, vpp: int | None = None) -> list[dict[str, Any]]:
+def job_parity(hf_dir: str, tp: int, pp: int, vpp: int | None = None, ep: int = 1) -> list[dict[str, Any]]:
     """One rank of a parity check of one checkpoint; returns every rank's result, so that under a
     launcher (one process per rank) any rank can judge the whole job: a pipeline rank without the
     last stage has no logits, another rank's gradients may be the worst."""
-    init_distributed(ParallelSizes(tp, pp, vpp))
+    init_distributed(ParallelSizes(tp, pp, vpp, ep=ep))
     try:
         mine = check_parity(hf_dir)
         every: list[Any] = [None] * dist.get_world_size()

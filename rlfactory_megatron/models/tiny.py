@@ -20,7 +20,12 @@ TINY_DEFAULTS: dict[str, Any] = dict(
     tie_word_embeddings=False,
 )
 
-_CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
+# The MoE family's shape: 8 experts, top-2 (hidden % 32 == 0 keeps it servable by vLLM's CPU MoE kernel).
+TINY_MOE_DEFAULTS: dict[str, Any] = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                                         norm_topk_prob=True)
+
+_CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
+                   "qwen3_moe": "Qwen3MoeConfig"}
 
 
 def make_tiny_hf_model(
@@ -31,7 +36,7 @@ def make_tiny_hf_model(
 
     if model_type not in _CONFIG_CLASSES:
         raise ValueError(f"model_type must be one of {sorted(_CONFIG_CLASSES)}, not '{model_type}'")
-    kwargs = dict(TINY_DEFAULTS, **overrides)
+    kwargs = dict(TINY_DEFAULTS, **(TINY_MOE_DEFAULTS if model_type == "qwen3_moe" else {}), **overrides)
     if model_type == "llama" and "rope_scaling" not in kwargs:
         kwargs["rope_scaling"] = {
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -47,6 +52,10 @@ def make_tiny_hf_model(
             if "norm" in name:
                 param.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):
+                param.normal_(0.0, 0.1)
+            elif name.endswith("mlp.gate.weight"):
+                # A decisive router (HF's init scores every expert alike), so that rounding
+                # differences between implementations cannot flip a token's top-k choice.
                 param.normal_(0.0, 0.1)
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir, safe_serialization=True)

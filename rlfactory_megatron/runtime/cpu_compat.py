@@ -7,7 +7,9 @@ checks (optimizer, grad clipping) as a GPU would, (3) replaces the CUDA RNG trac
 with one over CPU generator states (and the CUDA generator's state, which activation recompute
 saves and restores, with nothing: the CPU generator's is saved beside it), and (4) makes
 `torch.cuda.synchronize` a no-op.
-`MEGATRON_TOUCHPOINTS` lists the megatron internals this relies on; a test checks
+Apart from the CUDA mapping, `allow_moe_without_transformer_engine` fills the one name megatron's
+MoE router reads from Transformer-Engine without defining it when TE is missing (CPU, or a GPU
+with the local spec). `MEGATRON_TOUCHPOINTS` lists the megatron internals this relies on; a test checks
 that they still exist so a megatron upgrade fails loudly instead of silently.
 """
 from __future__ import annotations
@@ -37,6 +39,8 @@ MEGATRON_TOUCHPOINTS: tuple[tuple[str, str], ...] = (
     ("megatron.core.pipeline_parallel.schedules", "forward_backward_no_pipelining"),
     ("megatron.core.optimizer.clip_grads", "get_grad_norm_fp32"),
     ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params"),
+    # reads the module global `te_general_gemm`, imported from TE only when TE is installed
+    ("megatron.core.transformer.moe.moe_utils", "RouterGatingLinearFunction"),
 )
 
 
@@ -174,6 +178,16 @@ def enable_cpu_compat() -> bool:
             CudaToCpuMode().__enter__()
         _ENABLED = True
     return True
+
+
+def allow_moe_without_transformer_engine() -> None:
+    """megatron-core 0.16's router forward reads `te_general_gemm`, a name its module defines only
+    when TE imports (NameError in every MoE forward without TE; fixed upstream in 0.17). None
+    selects its torch matmul path."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def check_megatron_touchpoints() -> None:

@@ -29,11 +29,12 @@ class ParallelSizes:
     pp: int = 1
     vpp: int | None = None  # virtual pipeline stages per rank (interleaved schedule)
     cp: int = 1  # context-parallel ranks, among which every sequence's tokens are split
+    ep: int = 1  # expert-parallel ranks, among which a MoE layer's experts are split (within tp x ep x pp)
 
     @classmethod
     def of(cls, parallel) -> "ParallelSizes":
         """The sizes a config's `parallel` section names."""
-        return cls(parallel.tp, parallel.pp, parallel.vpp, parallel.cp)
+        return cls(parallel.tp, parallel.pp, parallel.vpp, parallel.cp, parallel.ep)
 
     @property
     def model_ranks(self) -> int:
@@ -60,6 +61,11 @@ def init_distributed(
             f"world size {world} is not divisible by parallel.tp*parallel.pp*parallel.cp = "
             f"{sizes.tp}*{sizes.pp}*{sizes.cp}; change parallel.tp/parallel.pp/parallel.cp or the number of processes"
         )
+    if world % (sizes.tp * sizes.ep * sizes.pp) != 0:
+        raise ValueError(
+            f"world size {world} is not divisible by parallel.tp*parallel.ep*parallel.pp = "
+            f"{sizes.tp}*{sizes.ep}*{sizes.pp} (megatron's expert groups); change parallel.ep or the number of processes"
+        )
     on_gpu = cuda_available()
     if on_gpu:
         torch.cuda.set_device(local_device_index(launch, torch.cuda.device_count()))
@@ -84,6 +90,7 @@ def init_distributed(
             pipeline_model_parallel_size=sizes.pp,
             virtual_pipeline_model_parallel_size=sizes.vpp,
             context_parallel_size=sizes.cp,
+            expert_model_parallel_size=sizes.ep,
         )
     seed_everything(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)

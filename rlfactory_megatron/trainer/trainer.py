@@ -23,7 +23,7 @@ from rlfactory_megatron.actor.actor import Actor, Critic, PolicyModel
 from rlfactory_megatron.actor.batch import RolloutBatch
 from rlfactory_megatron.algorithms import compute_advantages
 from rlfactory_megatron.algorithms.rollout_correction import correction_settings, rollout_correction
-from rlfactory_megatron.models.builder import BuildOptions
+from rlfactory_megatron.models.builder import BuildOptions, MoEOptions
 from rlfactory_megatron.models.hf_arch import load_arch
 from rlfactory_megatron.runtime.stop import StopRequest
 from rlfactory_megatron.trainer.data import PromptRecord, PromptSampler, run_records
@@ -55,7 +55,7 @@ class Trainer:
             print(f"rlf-train: {cfg.trainer.algorithm} implies {', '.join(implied)}")
         build = BuildOptions(params_dtype=cfg.model.params_dtype, layer_spec=cfg.model.layer_spec,
                              recompute_activations=cfg.model.recompute_activations,
-                             sequence_parallel=cfg.parallel.sequence_parallel)
+                             sequence_parallel=cfg.parallel.sequence_parallel, moe=MoEOptions(**cfg.model.moe))
         total = cfg.trainer.total_steps * cfg.actor.ppo_epochs
         # Log-probs of the distribution the rollout samples from (rollout.temperature 0 = greedy
         # sampling, which RL cannot learn from; its log-probs are taken at 1).

@@ -6,7 +6,7 @@ import torch
 from rlfactory_megatron.actor.actor import Actor, Critic
 from rlfactory_megatron.actor.batch import RolloutBatch
 from rlfactory_megatron.config import load_config
-from rlfactory_megatron.models.builder import BuildOptions
+from rlfactory_megatron.models.builder import BuildOptions, MoEOptions
 from rlfactory_megatron.models.hf_arch import load_arch
 from rlfactory_megatron.runtime.distributed import ParallelSizes, destroy_distributed, init_distributed
 
@@ -38,13 +38,14 @@ def actor_config(**overrides):
 
 def update_worker(hf_dir: str, tp: int, pp: int, overrides: dict, perturb_masked: bool = False,
                   checkpoint: str | None = None, resume_from: str | None = None, layer_spec: str = "auto",
-                  cp: int = 1) -> dict:
+                  cp: int = 1, ep: int = 1) -> dict:
     """Build an actor, compute old/ref log-probs, run one update (+ a second after save/load)."""
-    init_distributed(ParallelSizes(tp, pp, cp=cp), seed=7)
+    init_distributed(ParallelSizes(tp, pp, cp=cp, ep=ep), seed=7)
     try:
         cfg = actor_config(**overrides)
         arch = load_arch(hf_dir)
-        actor = Actor(cfg.actor, arch, hf_dir, BuildOptions(layer_spec=layer_spec), total_steps=10)
+        build = BuildOptions(layer_spec=layer_spec, moe=MoEOptions(**cfg.model.moe))
+        actor = Actor(cfg.actor, arch, hf_dir, build, total_steps=10)
         batch = make_batch(arch.vocab_size)
         old = actor.compute_log_probs(batch, with_entropy=True)
         batch = batch.with_fields(old_log_probs=old["log_probs"] - 0.05, ref_log_probs=old["log_probs"] + 0.1)
@@ -64,7 +65,9 @@ def update_worker(hf_dir: str, tp: int, pp: int, overrides: dict, perturb_masked
         optimizers = getattr(actor.engine.optimizer, "chained_optimizers", [actor.engine.optimizer])
         return {"metrics": metrics, "weights": weights if torch.distributed.get_rank() == 0 else None,
                 "old_log_probs": old["log_probs"], "entropy": old["entropy"],
-                "optimizer": type(optimizers[0]).__name__}
+                "optimizer": type(optimizers[0]).__name__,
+                "expert_weights": sum(".local_experts." in name for chunk in actor.engine.chunks
+                                      for name, _ in chunk.named_parameters())}
     finally:
         destroy_distributed()
 

@@ -11,10 +11,11 @@ import actor_workers  # noqa: E402
 from rlfactory_megatron.runtime.distributed import spawn_local_workers  # noqa: E402
 
 
-def run(hf_dir, tp=1, pp=1, dp=1, overrides=None, cp=1, **kw):
+def run(hf_dir, tp=1, pp=1, dp=1, overrides=None, cp=1, ep=1, **kw):
+    # ep splits the experts among data-parallel ranks: it is a part of dp, not a factor of the world
     return spawn_local_workers(actor_workers.update_worker, tp * pp * dp * cp, hf_dir, tp, pp, overrides or {},
                                kw.get("perturb_masked", False), kw.get("checkpoint"), kw.get("resume_from"),
-                               kw.get("layer_spec", "auto"), cp)
+                               kw.get("layer_spec", "auto"), cp, ep)
 
 
 def assert_same_update(a, b, tol=1e-5):
@@ -48,6 +49,30 @@ def test_update_is_the_same_at_every_layout(reference, tiny_hf_dirs, tp, pp, dp,
     for r in results:  # every rank ends with the same metrics and old log-probs
         assert r["metrics"]["actor/pg_loss"] == pytest.approx(results[0]["metrics"]["actor/pg_loss"], abs=1e-6)
         assert torch.allclose(r["old_log_probs"], reference["old_log_probs"], atol=1e-5)
+
+
+def test_moe_update_with_experts_split_over_two_ranks_equals_one_rank(tiny_hf_dirs):
+    # Two data-parallel ranks, each holding 4 of the 8 experts (tokens travel to their experts by
+    # all-gather on gloo), make the update one rank holding every expert makes.
+    alone = run(tiny_hf_dirs["qwen3_moe"])[0]
+    split = run(tiny_hf_dirs["qwen3_moe"], dp=2, ep=2)
+    assert [r["expert_weights"] for r in split] == [alone["expert_weights"] // 2] * 2 == [4 * 4 * 2] * 2
+    assert_same_update(alone, split[0])
+    for r in split:
+        assert torch.allclose(r["old_log_probs"], alone["old_log_probs"], atol=1e-5)
+
+    # model.moe: a frozen router keeps its weights while the experts move; the balancing loss
+    # (on here, off by default) changes the update.
+    from rlfactory_megatron.models.hf_checkpoint import iter_safetensors
+
+    keys = {"model.moe.freeze_router": True, "model.moe.load_balancing": "aux_loss", "model.moe.aux_loss_coeff": 0.1}
+    frozen = run(tiny_hf_dirs["qwen3_moe"], overrides=keys)[0]["weights"]
+    before = dict(iter_safetensors(tiny_hf_dirs["qwen3_moe"]))
+    routers = [name for name in before if name.endswith("mlp.gate.weight")]
+    assert len(routers) == 4 and all(torch.equal(frozen[name], before[name]) for name in routers)
+    assert not all(torch.equal(alone["weights"][name], before[name]) for name in routers)
+    expert = "model.layers.0.mlp.experts.0.down_proj.weight"
+    assert not torch.equal(frozen[expert], before[expert]) and not torch.equal(frozen[expert], alone["weights"][expert])
 
 
 @pytest.mark.parametrize("mini_batch_size", [6, 3, 1])

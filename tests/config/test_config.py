@@ -30,6 +30,9 @@ def test_a_config_file_starts_from_the_schema_and_overrides_come_last(tmp_path):
     ("parallel.pp=0", "parallel.pp=0 must be >= 1"),
     ("parallel.vpp=2", "parallel.vpp=2 needs parallel.pp >= 2"),
     ("parallel.cp=0", "parallel.cp=0 must be >= 1"),
+    ("model.moe.load_balancing=sinkhorn", "model.moe.load_balancing='sinkhorn' is not allowed; choose one of: none, aux_loss"),
+    ("model.moe.aux_loss_coeff=0.01", "model.moe.aux_loss_coeff=0.01 with model.moe.load_balancing=none"),
+    ("model.moe.z_loss_coeff=-1", "model.moe.z_loss_coeff=-1.0 must be >= 0"),
     ("actor.optim.lr", "must look like key=value"),
     ("rollout.truncation=middle", "rollout.truncation='middle' is not allowed; choose one of: error, left, right"),
     ("rollout.max_num_seqs=0", "rollout.max_num_seqs=0 must be >= 1"),
@@ -77,6 +80,27 @@ def test_context_parallel_layouts_are_checked_at_load(overrides, world, message)
     validate_against_model(load_config(overrides=overrides[:1]), ARCH, 4)  # the CP size alone fits 4 ranks
 
 
+MOE_ARCH = arch_from_hf_config({"model_type": "qwen3_moe", "num_hidden_layers": 4, "hidden_size": 128,
+                                "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                "vocab_size": 512, "num_experts": 8, "num_experts_per_tok": 2,
+                                "moe_intermediate_size": 64})
+
+
+@pytest.mark.parametrize("overrides,arch,world,message", [
+    (["parallel.ep=3"], MOE_ARCH, 3, "parallel.ep=3 does not divide the model's 8 experts; use one of \\[1, 2, 4, 8\\]"),
+    (["parallel.ep=2", "parallel.tp=2"], MOE_ARCH, 2, "parallel.tp\\*parallel.ep\\*parallel.pp=2\\*2\\*1 does not divide "
+                                                     "the world of 2"),
+    (["parallel.ep=2"], ARCH, 2, "parallel.ep=2 needs a mixture-of-experts model; model 'qwen3' is dense"),
+    (["parallel.tp=2"], MOE_ARCH, 2, "needs parallel.sequence_parallel=true"),
+    (["parallel.ep=0"], MOE_ARCH, 1, "parallel.ep=0 must be >= 1"),
+])
+def test_expert_layouts_are_checked_at_load(overrides, arch, world, message):
+    with pytest.raises(ConfigError, match=message):
+        validate_against_model(load_config(overrides=overrides), arch, world)
+    validate_against_model(load_config(overrides=["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
+                           MOE_ARCH, 4)
+
+
 # Shapes of the real models (from their config.json), to check each example's layout fits them.
 REAL_SHAPES = {
     "qwen2_7b": dict(model_type="qwen2", num_hidden_layers=28, hidden_size=3584, intermediate_size=18944,
@@ -87,6 +111,10 @@ REAL_SHAPES = {
     "llama3_1_8b": dict(model_type="llama", num_hidden_layers=32, hidden_size=4096, intermediate_size=14336,
                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                         max_position_embeddings=131072),
+    "qwen3_30b_a3b": dict(model_type="qwen3_moe", num_hidden_layers=48, hidden_size=2048, intermediate_size=6144,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                          num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                          max_position_embeddings=40960),
 }
 
 

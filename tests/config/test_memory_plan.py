@@ -30,7 +30,8 @@ EXAMPLE_JOBS = [("qwen2_5_7b_grpo_8gpu.yaml", "qwen2_7b", 8), ("qwen2_7b_ppo_meg
 
 
 def test_parameter_counts_are_the_models_published_ones():
-    published = {"qwen2_7b": 7_615_616_512, "qwen3_8b": 8_190_735_360, "llama3_1_8b": 8_030_261_248}
+    published = {"qwen2_7b": 7_615_616_512, "qwen3_8b": 8_190_735_360, "llama3_1_8b": 8_030_261_248,
+                 "qwen3_30b_a3b": 30_532_122_624}
     for model, count in published.items():
         assert arch_from_hf_config(REAL_SHAPES[model]).parameter_count() == count, model
     # Per rank at tp/pp > 1: tests/actor/test_offload.py counts the megatron model each rank builds.

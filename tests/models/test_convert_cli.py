@@ -30,15 +30,20 @@ def assert_bit_identical(a, b):
         assert left[key].dtype == right[key].dtype and torch.equal(left[key], right[key]), key
 
 
-def test_hf_to_mcore_tp2_pp2_then_back_at_tp1_is_bit_identical(tiny_hf_dirs, tmp_path):
-    # qwen2 has a vocab megatron must pad (500 -> 512): the padding must survive resharding and vanish on export.
-    hf = tiny_hf_dirs["qwen2"]
-    out = run_cli("hf-to-mcore", "--hf-dir", hf, "--out", str(tmp_path / "mcore"), "--tp", "2", "--pp", "2")
+# qwen2 has a vocab megatron must pad (500 -> 512): the padding must survive resharding and vanish on
+# export. qwen3_moe's experts, split over 2 expert-parallel ranks, come back split over 2 TP ranks.
+@pytest.mark.parametrize("model,there,back", [
+    ("qwen2", ("--tp", "2", "--pp", "2"), ()),
+    ("qwen3_moe", ("--ep", "2"), ("--tp", "2")),
+], ids=["qwen2-tp2pp2-to-tp1", "qwen3_moe-ep2-to-tp2"])
+def test_hf_to_mcore_then_back_at_another_layout_is_bit_identical(tiny_hf_dirs, tmp_path, model, there, back):
+    hf = tiny_hf_dirs[model]
+    out = run_cli("hf-to-mcore", "--hf-dir", hf, "--out", str(tmp_path / "mcore"), *there)
     assert out.returncode == 0, out.stderr[-3000:]
-    back = run_cli("mcore-to-hf", "--mcore-dir", str(tmp_path / "mcore"), "--out", str(tmp_path / "hf2"))
-    assert back.returncode == 0, back.stderr[-3000:]
+    returned = run_cli("mcore-to-hf", "--mcore-dir", str(tmp_path / "mcore"), "--out", str(tmp_path / "hf2"), *back)
+    assert returned.returncode == 0, returned.stderr[-3000:]
     assert_bit_identical(hf, tmp_path / "hf2")
-    assert json.loads((tmp_path / "hf2" / "config.json").read_text())["model_type"] == "qwen2"
+    assert json.loads((tmp_path / "hf2" / "config.json").read_text())["model_type"] == model
 
 
 def test_check_under_torchrun(tiny_hf_dirs):
@@ -88,4 +93,6 @@ def test_unsupported_architecture_and_bad_split_fail_before_work(tiny_hf_dirs, t
     assert out.returncode == 2 and "model_type 'gpt2' is not supported" in out.stderr
     out = run_cli("hf-to-mcore", "--hf-dir", tiny_hf_dirs["llama"], "--out", str(tmp_path / "m"), "--pp", "3")
     assert out.returncode == 2 and "4 layers" in out.stderr
+    out = run_cli("hf-to-mcore", "--hf-dir", tiny_hf_dirs["qwen3_moe"], "--out", str(tmp_path / "m"), "--ep", "3")
+    assert out.returncode == 2 and "parallel.ep=3 does not divide the model's 8 experts" in out.stderr
     assert not (tmp_path / "m").exists()
