@@ -1,13 +1,14 @@
 """Load, override and validate the run configuration before any process group or model exists."""
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 from typing import Sequence
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rlfactory_megatron.config.schema import RLFConfig
+from rlfactory_megatron.config.schema import MoEConfig, RLFConfig
 
 DEFAULT_CONFIG = Path(__file__).with_name("default.yaml")
 # Closed sets of values that no registry holds, checked with a message that lists the allowed ones.
@@ -392,6 +393,12 @@ def _check_expert_layout(cfg, arch, world_size: int) -> None:
     if ep > 1 and arch.moe is None:
         raise ConfigError(f"parallel.ep={ep} needs a mixture-of-experts model; model '{arch.model_type}' is dense: "
                           "set parallel.ep=1")
+    moe = OmegaConf.select(cfg, "model.moe")
+    if arch.moe is None and moe is not None:  # a dense model has no router for these keys to act on
+        for key, default in asdict(MoEConfig()).items():
+            if moe[key] != default:
+                raise ConfigError(f"model.moe.{key}={moe[key]} acts on a mixture-of-experts model's router; model "
+                                  f"'{arch.model_type}' is dense: leave model.moe out")
     if arch.moe is not None and arch.moe.num_experts % ep:
         raise ConfigError(f"parallel.ep={ep} does not divide the model's {arch.moe.num_experts} experts; "
                           f"use one of {_divisors(arch.moe.num_experts)}")

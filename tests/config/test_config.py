@@ -93,6 +93,8 @@ MOE_ARCH = arch_from_hf_config({"model_type": "qwen3_moe", "num_hidden_layers": 
     (["parallel.ep=2"], ARCH, 2, "parallel.ep=2 needs a mixture-of-experts model; model 'qwen3' is dense"),
     (["parallel.tp=2"], MOE_ARCH, 2, "needs parallel.sequence_parallel=true"),
     (["parallel.ep=0"], MOE_ARCH, 1, "parallel.ep=0 must be >= 1"),
+    (["model.moe.freeze_router=true"], ARCH, 1, "model.moe.freeze_router=True acts on a mixture-of-experts model's "
+                                                "router; model 'qwen3' is dense"),
 ])
 def test_expert_layouts_are_checked_at_load(overrides, arch, world, message):
     with pytest.raises(ConfigError, match=message):
