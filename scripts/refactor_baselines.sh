@@ -6,11 +6,12 @@
 # Sizes are the tests' scale-to-CPU keys (tests/trainer/rlf_train_cli.py SMALL); each run's SFT
 # warm-start is computed by the first run and reused from OUT/warm-starts by the others.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+root=$(realpath "$(dirname "$0")/..")
 out=$(realpath -m "$1")
 mkdir -p "$out"
-bin=$PWD/.venv/bin
-read -r -a small < <("$bin/python" -c "import sys; sys.path.insert(0, 'tests/trainer'); from rlf_train_cli import SMALL; print(*SMALL)")
+cd "$out"  # not the worktree: `python -m` would import the package from the working directory
+bin=$root/.venv/bin
+read -r -a small < <("$bin/python" -c "import sys; sys.path.insert(0, '$root/tests/trainer'); from rlf_train_cli import SMALL; print(*SMALL)")
 export OMP_NUM_THREADS=1 RLF_DEVICE_DISCIPLINE=1 RLF_CACHE_HOME=$out/rlf-cache
 unset RANK WORLD_SIZE LOCAL_RANK RAY_ADDRESS
 common=("${small[@]}" "trainer.seed=1234" "trainer.sft_cache=$out/warm-starts")
@@ -24,5 +25,5 @@ run default "$bin/rlf-train" trainer.total_steps=5
 run colocated_dp2 "$bin/torchrun" --standalone --nproc-per-node 2 -m rlfactory_megatron.cli.train trainer.total_steps=3
 run disaggregated "$bin/rlf-train" trainer.total_steps=3 rollout.mode=disaggregated rollout.num_engines=2
 if [ $# -ge 2 ]; then
-  "$bin/python" scripts/refactor_baselines_compare.py "$out" "$2"
+  "$bin/python" "$root/scripts/refactor_baselines_compare.py" "$out" "$(realpath "$2")"
 fi

@@ -233,7 +233,7 @@ def _run_ours_rank(config_file: str, hf_dir: str, warmup: int) -> SideResult:
     trainer = None
     try:
         trainer = Trainer(cfg, hf_dir)
-        engines = trainer.plane.router.engines if trainer.plane.router is not None else []
+        engines = trainer.fleet.router.engines if trainer.fleet.router is not None else []
         stepped = lambda: sum(getattr(engine, "steps", 0) for engine in engines)  # noqa: E731
         for step in range(cfg.trainer.total_steps):
             start, steps_before = time.perf_counter(), stepped()

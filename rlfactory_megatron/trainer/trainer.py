@@ -5,8 +5,8 @@ trains on -> rewards (each engine's process scores its rows, overlapped with log
 old/ref log-probs, values -> advantages -> actor (+ critic) update -> weight sync to every
 engine -> log, validate and checkpoint. Every rank runs this on its DP rank's rows; statistics
 over the step (advantage whitening, group baselines, metrics) are reduced across DP ranks. The
-rollout side (engines, their placement, the split of prompts, the routing of rows) is
-`RolloutPlane` in rollouts.py.
+rollout side is rollout/: the engines (`EngineFleet`: start, weight updates, replacement, sleep)
+and the rows they make (`RolloutGenerator`: agent loops, rows to DP ranks, rewards, the store).
 """
 from __future__ import annotations
 
@@ -25,15 +25,18 @@ from rlfactory_megatron.algorithms import compute_advantages
 from rlfactory_megatron.algorithms.rollout_correction import correction_settings, rollout_correction
 from rlfactory_megatron.models.builder import BuildOptions
 from rlfactory_megatron.models.hf_arch import load_arch
+from rlfactory_megatron.rollout.fleet import EngineFleet
+from rlfactory_megatron.rollout.generator import RolloutGenerator
+from rlfactory_megatron.rollout.pipeline import AHEAD_FILE
+from rlfactory_megatron.rollout.rows import Rollouts
+from rlfactory_megatron.runtime.collectives import RankCollectives
 from rlfactory_megatron.runtime.stop import StopRequest
 from rlfactory_megatron.trainer.data import PromptRecord, PromptSampler, run_records
-from rlfactory_megatron.trainer.dynamic_sampling import informative_rollouts
 from rlfactory_megatron.trainer.logger import MetricsLogger, wandb_settings
 from rlfactory_megatron.trainer.presets import apply_preset, trains_critic
 from rlfactory_megatron.trainer.checkpoint import checkpoint_dir, load_checkpoint, resume_directory, save_checkpoint
-from rlfactory_megatron.trainer.pipeline import AHEAD_FILE, RolloutPipeline
-from rlfactory_megatron.trainer.rollouts import RolloutPlane, Rollouts
 from rlfactory_megatron.trainer.sft import demonstration_rows, sft_warm_start
+from rlfactory_megatron.trainer.tasks import run_tool_specs
 from rlfactory_megatron.trainer.warm_start_cache import WarmStartCache, warm_start_key
 
 # Validation trajectories shown as text in TensorBoard at each validation.
@@ -79,12 +82,11 @@ class Trainer:
         self.step_index = 0
         self.stopped_by: int | None = None  # the signal that stopped the run early (runtime/stop.py)
         self.logger = None
-        self.plane = RolloutPlane(cfg, self.hf_dir, self.tokenizer, self.output)
-        # Asynchronous RL: batches generated ahead of training (pipeline.py); None: synchronous steps.
-        self.pipeline = (RolloutPipeline(self.plane, self._draw, cfg.trainer.max_staleness, cfg.trainer.partial_rollout,
-                                         cfg.trainer.total_steps)
-                         if cfg.trainer.max_staleness > 0 else None)
-        self.correction = correction_settings(cfg.actor.rollout_correction, asynchronous=self.pipeline is not None)
+        self.collectives = RankCollectives()
+        self.fleet = EngineFleet(cfg, self.hf_dir, self.output, self.collectives)
+        self.generator = RolloutGenerator(cfg, self.fleet, self.collectives, self.tokenizer, self.output,
+                                          run_tool_specs(cfg), self._draw, self.preset.drop_uniform_groups)
+        self.correction = correction_settings(cfg.actor.rollout_correction, asynchronous=cfg.trainer.max_staleness > 0)
         if self.is_leader:
             self.logger = MetricsLogger(self.output, cfg.trainer.total_steps, cfg.logging.jsonl,
                                         cfg.logging.tensorboard, wandb_settings(cfg),
@@ -94,10 +96,9 @@ class Trainer:
     def step(self) -> dict[str, float]:
         timings: dict[str, float] = {}
         clock = time.perf_counter()
-        rollouts = self._generate()
-        self.plane.sleep()  # the engines' device memory goes to training until the next sync
-        rows = self.plane.place(rollouts)  # this DP rank's rows, and only those
-        batch = rows.batch
+        rows = self.generator.generate(self.step_index)  # this DP rank's rows, and only those
+        self.fleet.sleep()  # the engines' device memory goes to training until the next sync
+        rollouts, batch = rows.rollouts, rows.batch
         timings["time/generate_s"] = time.perf_counter() - clock
 
         clock = time.perf_counter()
@@ -119,14 +120,14 @@ class Trainer:
         timings["time/logprob_s"] = time.perf_counter() - clock
 
         clock = time.perf_counter()
-        reward = self.plane.rewards(rollouts)  # scored while the log-probs ran
+        reward = self.generator.rewards(rollouts)  # scored while the log-probs ran
         timings["time/reward_wait_s"] = time.perf_counter() - clock
         token_rewards = _place_on_last_token([reward.scores[row] for row in batch.step_rows.tolist()], batch)
         advantages = compute_advantages(self.preset.advantage, token_rewards, batch.loss_mask,
                                         values=batch.values, group_index=batch.group_ids, dp_group=_dp_group())
         batch = batch.with_fields(token_rewards=token_rewards, advantages=advantages.advantages,
                                   returns=advantages.returns)
-        self.plane.record(rollouts, batch, self.step_index + 1)
+        self.generator.record(rows, batch, self.step_index + 1)
         trained_mask = batch.loss_mask > 0  # the rows' own, for the metrics below
         correction_metrics = {}
         if correction and not tis_in_update:
@@ -158,11 +159,11 @@ class Trainer:
         tokens = float(sum(r.tokens for r in rollouts.summaries))
         step_time = sum(timings.values())
         metrics.update(timings)
-        metrics.update(self.plane.sync_metrics())
+        metrics.update(self.fleet.sync_metrics())
         metrics.update(reward.metrics())
         metrics.update(rollouts.stats())
         metrics.update(correction_metrics)
-        if self.pipeline is not None:
+        if self.generator.pipeline is not None:
             metrics.update(self._staleness(rollouts))
             if old is not None:  # the gap on the tokens of the weights just trained: ~0, as in a synchronous step
                 fresh = trained_mask & (rows.engine_versions == self.step_index - 1)
@@ -215,17 +216,15 @@ class Trainer:
         self.actor.engine.check_finite("the weight sync")
         self._to_host(keep_actor_params=True)
         torch.cuda.empty_cache()  # what training cached, for vLLM to map its weights into
-        self.plane.wake_up(["weights"])
+        self.fleet.wake_up(["weights"])
         clock = time.perf_counter()
-        if self.pipeline is not None:
-            self.pipeline.before_sync()
+        self.generator.before_sync()
         waited = time.perf_counter() - clock
-        self.plane.sync(self.actor.engine, self.step_index)
+        self.fleet.update_weights(self.actor.engine, self.step_index)
         self._to_host()
         torch.cuda.empty_cache()
-        self.plane.wake_up(["kv_cache"])
-        if self.pipeline is not None:
-            self.pipeline.after_sync(self.step_index)
+        self.fleet.wake_up(["kv_cache"])
+        self.generator.after_sync(self.step_index)
         return waited
 
     def _to_host(self, keep_actor_params: bool = False) -> None:
@@ -242,28 +241,16 @@ class Trainer:
         if not self.offloaded:
             yield
             return
-        self.plane.sleep(level=1)
+        self.fleet.sleep(level=1)
         try:
             yield
         finally:
             self._to_host()
             torch.cuda.empty_cache()
-            self.plane.wake_up()
+            self.fleet.wake_up()
 
     def _draw(self) -> list[PromptRecord]:
         return [self.records[i] for i in self.sampler.next(self.cfg.trainer.prompts_per_step)]
-
-    def _generate(self) -> Rollouts:
-        """This step's rollouts on every engine; their rewards are gathered later (overlapped),
-        except with dynamic sampling (DAPO), which needs them to choose the groups it keeps.
-        Asynchronous, the batch generated ahead for this step."""
-        cfg = self.cfg.trainer
-        if self.pipeline is not None:
-            return self.pipeline.take(self.step_index)
-        if self.preset.drop_uniform_groups:
-            return informative_rollouts(self.plane, self._draw, self.step_index, cfg.prompts_per_step,
-                                        self.cfg.rollout.n, cfg.max_refill_rounds)
-        return self.plane.rollout(self._draw(), self.step_index)
 
     # ------------------------------------------------------------------ the run
     def fit(self) -> dict[str, float]:
@@ -308,8 +295,8 @@ class Trainer:
     def validate(self) -> dict[str, float]:
         """Greedy rollouts on held-out prompts, on every engine; mean score = accuracy for 0/1 scorers.
         A few of them go to TensorBoard as text (`val/trajectories`)."""
-        rollouts = self.plane.rollout(self.val_records, self.step_index, greedy=True)
-        scores = self.plane.rewards(rollouts).scores
+        rollouts = self.generator.rollout(self.val_records, self.step_index, greedy=True)
+        scores = self.generator.rewards(rollouts).scores
         if self.logger is not None and rollouts.local:
             from rlfactory_megatron.envs.storage.text import render
 
@@ -321,18 +308,19 @@ class Trainer:
 
     def sft_warm_start(self) -> None:
         """Supervised steps on the prompts' demonstrations (sft.py), then the weights to the engines."""
-        rows = self.plane.broadcast(demonstration_rows(self.records, self.plane.manager, self.plane.tool_schemas,
-                                                       self.cfg.rollout.max_prompt_tokens, self.cfg.rollout.truncation)
-                                    if self.is_leader else None)
+        rows = self.collectives.broadcast(demonstration_rows(self.records, self.generator.manager,
+                                                             self.generator.tool_schemas, self.cfg.rollout.max_prompt_tokens,
+                                                             self.cfg.rollout.truncation)
+                                          if self.is_leader else None)
         cache = (WarmStartCache(self.cfg.trainer.sft_cache, warm_start_key(self.cfg, self.hf_dir, rows), self.output)
                  if self.cfg.trainer.sft_cache else None)
-        self.plane.sleep()  # as before any training; the sync below wakes the engines
+        self.fleet.sleep()  # as before any training; the sync below wakes the engines
         sft_warm_start(self.actor, rows, self.cfg.trainer, verbose=self.is_leader, cache=cache)
         self._sync_weights()
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
-        ahead = self.pipeline.state() if self.pipeline is not None else None
+        ahead = self.generator.state()
         with self._state_on_device():
             return save_checkpoint(self.output, self.step_index, self.actor, self.critic, self.sampler,
                                    self.cfg.trainer.keep_last, self.hf_dir, self.cfg.trainer.save_hf,
@@ -343,17 +331,17 @@ class Trainer:
         directory = resume_directory(self.cfg.trainer.resume, self.output)
         if directory is None:
             return
-        self.plane.sleep()  # loading fills the training state; the sync below wakes the engines
+        self.fleet.sleep()  # loading fills the training state; the sync below wakes the engines
         self.step_index, wandb_run_id = load_checkpoint(directory, self.actor, self.critic, self.sampler)
-        if self.pipeline is not None:
-            self.pipeline.restore(directory)
+        self.generator.restore(directory)
         self._sync_weights()
         if self.is_leader:
             self.logger.rewind(self.step_index, wandb_run_id)
             print(f"rlf-train: resumed from {directory} at step {self.step_index}")
 
     def close(self) -> None:
-        self.plane.close()
+        self.generator.close()
+        self.fleet.close()
         if self.logger is not None:
             self.logger.close()
 
