@@ -245,6 +245,20 @@ class RolloutGenerator:
             engine_versions[i, start:start + len(r.versions)] = torch.from_numpy(r.versions).long()
         return TrainRows(batch, engine_log_probs, engine_versions, rollouts)
 
+    def metrics(self, rollouts: Rollouts, version: int) -> dict[str, float]:
+        """What the trainer logs of a step's rows (collective): their rewards and counts, and,
+        asynchronous, how old the weights that generated them are against `version`, the
+        weights trained on them; older than trainer.max_staleness would be a bug of the
+        pipeline, so it stops the run."""
+        metrics = {**self.rewards(rollouts).metrics(), **rollouts.stats()}
+        if self.pipeline is not None:
+            staleness = rollouts.staleness(version)
+            if staleness["rollout/staleness_max"] > self.cfg.trainer.max_staleness:
+                raise RuntimeError(f"step {version + 1}: a trained token is {staleness['rollout/staleness_max']:g} "
+                                   f"weight versions old, over trainer.max_staleness={self.cfg.trainer.max_staleness}")
+            metrics.update(staleness)
+        return metrics
+
     def row_owners(self, rollouts: Rollouts) -> list[int]:
         """The DP rank that trains each row of `rollouts`."""
         return dp_row_owners([r.tokens for r in rollouts.summaries], self.cfg.actor.mini_batch_size, self.dp_size)
