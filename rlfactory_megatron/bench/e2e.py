@@ -413,7 +413,7 @@ def main(argv: list[str]) -> int:
     from rlfactory_megatron.bench.environment import environment
     from rlfactory_megatron.bench.longtail import make_longtail_model
     from rlfactory_megatron.bench.multiturn import TOOL_LATENCY_S, make_tool_model, tool_prompt_check
-    from rlfactory_megatron.models.resolve import cache_root, resolve_model_path
+    from rlfactory_megatron.trainer.model_path import cache_root, resolve_model_path
     from rlfactory_megatron.trainer.tasks import TASKS
 
     taught_cache = cache_root() / args.workload  # the user's cache: a taught model outlives the run

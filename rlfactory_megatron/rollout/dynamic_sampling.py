@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from rlfactory_megatron.trainer.data import PromptRecord
+from rlfactory_megatron.rollout.prompts import PromptRecord
 from rlfactory_megatron.rollout.rows import Rollouts
 
 if TYPE_CHECKING:

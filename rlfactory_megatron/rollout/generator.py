@@ -17,9 +17,9 @@ import torch
 
 from rlfactory_megatron.actor.batch import RolloutBatch, dp_row_owners, pad_rows
 from rlfactory_megatron.rollout.fleet import EngineFleet
+from rlfactory_megatron.rollout.prompts import PromptRecord, fit_prompt
 from rlfactory_megatron.rollout.rows import PendingRollout, Rollouts, RowData, RowSummary, TrainRows, tool_errors
 from rlfactory_megatron.runtime.collectives import RankCollectives
-from rlfactory_megatron.trainer.data import PromptRecord, fit_prompt
 
 
 class RolloutGenerator:

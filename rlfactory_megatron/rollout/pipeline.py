@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from rlfactory_megatron.rollout.fleet import done
+from rlfactory_megatron.rollout.prompts import PromptRecord
 from rlfactory_megatron.rollout.rows import PendingRollout, Rollouts
-from rlfactory_megatron.trainer.data import PromptRecord
 
 if TYPE_CHECKING:
     from rlfactory_megatron.rollout.generator import RolloutGenerator

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from rlfactory_megatron.actor.batch import RolloutBatch
-from rlfactory_megatron.trainer.data import PromptRecord
+from rlfactory_megatron.rollout.prompts import PromptRecord
 
 
 @dataclass

@@ -25,9 +25,10 @@ from rlfactory_megatron.models.hf_arch import load_arch
 from rlfactory_megatron.rollout.fleet import EngineFleet
 from rlfactory_megatron.rollout.generator import RolloutGenerator
 from rlfactory_megatron.rollout.pipeline import AHEAD_FILE
+from rlfactory_megatron.rollout.prompts import PromptRecord
 from rlfactory_megatron.runtime.collectives import RankCollectives
 from rlfactory_megatron.runtime.stop import StopRequest
-from rlfactory_megatron.trainer.data import PromptRecord, PromptSampler, run_records
+from rlfactory_megatron.trainer.data import PromptSampler, run_records
 from rlfactory_megatron.trainer.logger import MetricsLogger, wandb_settings
 from rlfactory_megatron.trainer.presets import apply_preset, trains_critic
 from rlfactory_megatron.trainer.checkpoint import checkpoint_dir, load_checkpoint, resume_directory, save_checkpoint

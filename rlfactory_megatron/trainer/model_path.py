@@ -1,4 +1,5 @@
-"""Turn `model.path` into a HF folder: a real checkpoint, or `tiny://<family>` built once and cached."""
+"""Turn `model.path` into a HF folder: a real checkpoint, or `tiny://<family>` built once and cached
+(its tokenizer trained on the built-in task's text: tasks.py)."""
 from __future__ import annotations
 
 import os
