@@ -148,9 +148,13 @@ class RolloutGenerator:
             pending.generation = self.fleet.submit(self._generate(pending))
         return pending
 
+    def samples_per_prompt(self, greedy: bool) -> int:
+        """rollout.n samples of a prompt; greedy (validation), one: its samples would be equal."""
+        return 1 if greedy else self.cfg.rollout.n
+
     def finish(self, pending: PendingRollout) -> Rollouts:
         """Collective: the phase's rows from every generating process, this process's submitted for scoring."""
-        n = 1 if pending.greedy else self.cfg.rollout.n
+        n = self.samples_per_prompt(pending.greedy)
         local, summaries, engines, versions = (pending.generation.result() if pending.generation is not None
                                                else ({}, [], [], {}))
         gathered = self.collectives.gather((summaries, engines))
@@ -167,7 +171,7 @@ class RolloutGenerator:
         from rlfactory_megatron.envs.agent_loop import AgentLoopConfig, TurnBarrier, run_agent_loop
 
         records, step, greedy, first_row = pending.records, pending.step, pending.greedy, pending.first_row
-        n = 1 if greedy else self.cfg.rollout.n
+        n = self.samples_per_prompt(greedy)
         layout, router = self.fleet.layout, self.fleet.router
         share = layout.share(len(records), layout.engine_index)
         mine = [i * n + k for i in share for k in range(n)]
