@@ -3,31 +3,11 @@ calls and their observations, the reward and advantage, decoded with the run's t
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from .rollouts import RolloutRecord
-
-
-def run_tokenizer(directory: Path, tokenizer: str | None = None):
-    """The tokenizer a run trained with: `tokenizer` (a HF folder) if given, else the model of the
-    run's config.yaml (found in `directory` or the folders above it, up to the run's own)."""
-    from transformers import AutoTokenizer
-
-    if tokenizer is None:
-        config = next((folder / "config.yaml" for folder in (directory, *directory.resolve().parents)
-                       if (folder / "config.yaml").is_file() and (folder / "metrics.jsonl").exists()), None)
-        if config is None:
-            raise ValueError(f"{directory}: no training run's config.yaml here or above; pass --tokenizer "
-                             "<HF model folder>")
-        from omegaconf import OmegaConf
-
-        from rlfactory_megatron.models.resolve import resolve_model_path
-
-        tokenizer = str(resolve_model_path(OmegaConf.load(config).model.path))
-    return AutoTokenizer.from_pretrained(tokenizer)
 
 
 def segments(record: RolloutRecord) -> list[tuple[bool, np.ndarray, np.ndarray]]:

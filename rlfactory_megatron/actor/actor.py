@@ -248,11 +248,16 @@ class Actor(PolicyModel):
         return self.cfg.ppo_epochs == 1 and self.cfg.mini_batch_size >= rows
 
     def update(self, batch: RolloutBatch, tis_cap: float | None = None) -> dict[str, float]:
-        """One PPO update; returns averaged metrics (same on every rank). On-policy (no
-        old_log_probs, see updates_on_policy) the log-probs its forward pass took are kept in
-        `self.update_log_probs` ([B, T]). `tis_cap`: an on-policy update weights each token's
-        advantage by the truncated IS ratio of those log-probs to batch.engine_log_probs, the
+        """One PPO update; returns averaged metrics (same on every rank). `tis_cap`: an on-policy
+        update (no old_log_probs, see updates_on_policy) weights each token's advantage by the
+        truncated IS ratio of its own forward's log-probs to batch.engine_log_probs, the
         correction a separate log-prob pass would give, without the pass."""
+        return self.update_with_log_probs(batch, tis_cap)[0]
+
+    def update_with_log_probs(self, batch: RolloutBatch,
+                              tis_cap: float | None = None) -> tuple[dict[str, float], torch.Tensor | None]:
+        """`update`, and on-policy the log-probs its forward pass took ([B, T]: the policy the
+        batch was trained from); None with old_log_probs on the batch."""
         if batch.advantages is None:
             raise ValueError("actor update needs advantages on the batch")
         if tis_cap is not None and (batch.old_log_probs is not None or batch.engine_log_probs is None):
@@ -268,9 +273,8 @@ class Actor(PolicyModel):
         metrics = _run_updates(self.engine, batch, self.cfg.ppo_epochs, self.cfg.mini_batch_size, self.max_tokens,
                                partial(self._loss_fn, tis_cap=tis_cap), prefix="actor", token_outputs=token_outputs)
         # One mini-batch of every row, in the batch's order (on-policy): its row indices are the batch's.
-        self.update_log_probs = (gather_token_values(batch, token_outputs, "log_probs")
-                                 if batch.old_log_probs is None else None)
-        return metrics
+        log_probs = gather_token_values(batch, token_outputs, "log_probs") if batch.old_log_probs is None else None
+        return metrics, log_probs
 
     def _sft_loss_fn(self, mini: RolloutBatch, plan: MicroBatchPlan):
         agg = _agg_options(plan, "token-mean", None)

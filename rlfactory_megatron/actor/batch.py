@@ -93,6 +93,23 @@ class RolloutBatch:
         return replace(self, **tensors)
 
 
+def pad_rows(ids_list: list[list[int]], masks: list[list[int]], group_size: int = 1,
+             step_rows: list[int] | None = None, step_size: int = 0) -> RolloutBatch:
+    """Rows as one right-padded batch; with `step_rows`, a DP-local batch of those rows of the
+    step's `step_size` (group ids from the step's numbering)."""
+    width = max((len(ids) for ids in ids_list), default=1)
+    ids = torch.zeros(len(ids_list), width, dtype=torch.long)
+    mask = torch.zeros(len(ids_list), width)
+    for row, (seq, m) in enumerate(zip(ids_list, masks)):
+        ids[row, : len(seq)] = torch.tensor(seq)
+        mask[row, : len(m)] = torch.tensor(m, dtype=torch.float32)
+    lengths = torch.tensor([len(seq) for seq in ids_list], dtype=torch.long)
+    if step_rows is None:
+        return RolloutBatch(ids, lengths, mask, group_ids=torch.arange(len(ids_list)) // group_size)
+    rows = torch.tensor(step_rows, dtype=torch.long)
+    return RolloutBatch(ids, lengths, mask, group_ids=rows // group_size, step_rows=rows, step_size=step_size)
+
+
 def balanced_partition(lengths: list[int], parts: int) -> list[list[int]]:
     """Split row indices into `parts` groups of near-equal token totals (longest first, to the lightest)."""
     groups: list[list[int]] = [[] for _ in range(parts)]

@@ -233,7 +233,7 @@ def _run_ours_rank(config_file: str, hf_dir: str, warmup: int) -> SideResult:
     trainer = None
     try:
         trainer = Trainer(cfg, hf_dir)
-        engines = trainer.plane.router.engines if trainer.plane.router is not None else []
+        engines = trainer.fleet.router.engines if trainer.fleet.router is not None else []
         stepped = lambda: sum(getattr(engine, "steps", 0) for engine in engines)  # noqa: E731
         for step in range(cfg.trainer.total_steps):
             start, steps_before = time.perf_counter(), stepped()
@@ -413,7 +413,7 @@ def main(argv: list[str]) -> int:
     from rlfactory_megatron.bench.environment import environment
     from rlfactory_megatron.bench.longtail import make_longtail_model
     from rlfactory_megatron.bench.multiturn import TOOL_LATENCY_S, make_tool_model, tool_prompt_check
-    from rlfactory_megatron.models.resolve import cache_root, resolve_model_path
+    from rlfactory_megatron.trainer.model_path import cache_root, resolve_model_path
     from rlfactory_megatron.trainer.tasks import TASKS
 
     taught_cache = cache_root() / args.workload  # the user's cache: a taught model outlives the run

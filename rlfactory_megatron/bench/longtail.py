@@ -68,7 +68,7 @@ def teach(hf_dir: str | Path, name: str, recipe: dict, make_examples, steps: int
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlfactory_megatron.models.resolve import cache_root
+    from rlfactory_megatron.trainer.model_path import cache_root
 
     # Keyed by the model's files, not its folder: a tiny model rebuilt elsewhere is the same model.
     files = sorted(p for p in Path(hf_dir).iterdir() if p.is_file())

@@ -94,6 +94,25 @@ def _verify(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
+def _run_tokenizer(directory: Path, tokenizer: str | None = None):
+    """The tokenizer a run trained with: `tokenizer` (a HF folder) if given, else the model of the
+    run's config.yaml (found in `directory` or the folders above it, up to the run's own)."""
+    from transformers import AutoTokenizer
+
+    if tokenizer is None:
+        config = next((folder / "config.yaml" for folder in (directory, *directory.resolve().parents)
+                       if (folder / "config.yaml").is_file() and (folder / "metrics.jsonl").exists()), None)
+        if config is None:
+            raise ValueError(f"{directory}: no training run's config.yaml here or above; pass --tokenizer "
+                             "<HF model folder>")
+        from omegaconf import OmegaConf
+
+        from rlfactory_megatron.trainer.model_path import resolve_model_path
+
+        tokenizer = str(resolve_model_path(OmegaConf.load(config).model.path))
+    return AutoTokenizer.from_pretrained(tokenizer)
+
+
 def _rollouts_dir(directory: Path) -> Path:
     """A run's rollout store: `directory` itself, or the cache of the run it is the output of."""
     return directory / "cache" / "rollouts" if (directory / "cache" / "rollouts").is_dir() else directory
@@ -102,9 +121,9 @@ def _rollouts_dir(directory: Path) -> Path:
 def _export(args: argparse.Namespace) -> int:
     text = None
     if args.text:
-        from rlfactory_megatron.envs.storage.text import decoded, run_tokenizer
+        from rlfactory_megatron.envs.storage.text import decoded
 
-        tokenizer = run_tokenizer(args.directory, args.tokenizer)
+        tokenizer = _run_tokenizer(args.directory, args.tokenizer)
         text = lambda record: decoded(record, tokenizer)  # noqa: E731
     count = export_step(_rollouts_dir(args.directory), args.step, args.out, args.format, text)
     if count == 0:
@@ -116,10 +135,10 @@ def _export(args: argparse.Namespace) -> int:
 
 def _show(args: argparse.Namespace) -> int:
     from rlfactory_megatron.envs.storage import RolloutStore
-    from rlfactory_megatron.envs.storage.text import render, run_tokenizer
+    from rlfactory_megatron.envs.storage.text import render
 
     directory = _rollouts_dir(args.directory)
-    tokenizer = run_tokenizer(args.directory, args.tokenizer)
+    tokenizer = _run_tokenizer(args.directory, args.tokenizer)
     with RolloutStore(directory, readonly=True) as store:
         steps = store.steps()
         if not steps:

@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             chosen = choose_threads(model_ranks, chosen_before=True)  # fresh processes read it
         if chosen and launch.local_rank == 0:
             print(f"rlf-train: {chosen}")
-        from rlfactory_megatron.models.resolve import resolve_model_path
+        from rlfactory_megatron.trainer.model_path import resolve_model_path
 
         hf_dir = resolve_model_path(cfg.model.path)
         arch = load_arch(hf_dir)

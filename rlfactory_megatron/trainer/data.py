@@ -3,19 +3,10 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
-@dataclass
-class PromptRecord:
-    messages: list[dict[str, Any]]  # chat messages of the prompt
-    ground_truth: Any
-    data_source: str = "unknown"
-    extra: dict[str, Any] = field(default_factory=dict)
-    demonstration: list[dict[str, Any]] | None = None  # assistant/tool turns for an SFT warm-start
-    origin: str = ""  # where the row comes from ("<file> row 17"), for messages that name it
+from rlfactory_megatron.rollout.prompts import PromptRecord
 
 
 def _record(row: dict[str, Any], source: str) -> PromptRecord:
@@ -75,20 +66,6 @@ def run_records(cfg) -> tuple[list[PromptRecord], list[PromptRecord]]:
         for i, record in enumerate(records):
             record.origin = f"trainer.task={cfg.task} {name} prompt {i}"
     return train, fresh[: cfg.val_prompts]
-
-
-def fit_prompt(ids: list[int], limit: int, truncation: str, origin: str = "a prompt") -> list[int]:
-    """A prompt's token ids within `limit` by rollout.truncation: as they are when they fit, else
-    `left` cuts its first tokens (keeps the last `limit`), `right` its last tokens (keeps the first
-    `limit`), and `error` refuses it (rlf-train refuses such data at load already)."""
-    if len(ids) <= limit:
-        return ids
-    if truncation == "left":
-        return ids[len(ids) - limit:]
-    if truncation == "right":
-        return ids[:limit]
-    raise ValueError(f"{origin}: a prompt of {len(ids)} tokens exceeds rollout.max_prompt_tokens={limit}; raise it, "
-                     f"or set rollout.truncation=left or right")
 
 
 class PromptSampler:

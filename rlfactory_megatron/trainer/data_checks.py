@@ -3,7 +3,8 @@ rendered as the engines will get it (chat template and tool schemas) against
 rollout.max_prompt_tokens, demonstrations for a warm-start, a scorer for every data_source."""
 from __future__ import annotations
 
-from rlfactory_megatron.trainer.data import PromptRecord, run_records
+from rlfactory_megatron.rollout.prompts import PromptRecord
+from rlfactory_megatron.trainer.data import run_records
 
 # Characters of a prompt's last message quoted in a message naming its row.
 QUOTED_CHARS = 60

@@ -6,8 +6,8 @@ import math
 import random
 import time
 
-from rlfactory_megatron.trainer.data import PromptRecord, fit_prompt
-from rlfactory_megatron.trainer.rollouts import pad_rows
+from rlfactory_megatron.actor.batch import pad_rows
+from rlfactory_megatron.rollout.prompts import PromptRecord, fit_prompt
 
 
 def demonstration_rows(records: list[PromptRecord], manager, tool_schemas, max_prompt_tokens: int,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from rlfactory_megatron.envs.tools.registry import ToolSpec, load_tool_specs, parse_tool_specs
 from rlfactory_megatron.registry import Registry
-from rlfactory_megatron.trainer.data import PromptRecord
+from rlfactory_megatron.rollout.prompts import PromptRecord
 
 
 @dataclass(frozen=True)

@@ -90,13 +90,13 @@ def on_policy_worker(hf_dir: str, tp: int, pp: int, mini_batch_size: int) -> dic
                 out["entropy_old"] = float(old["entropy"][batch.loss_mask > 0].mean())
                 out["old_log_probs"] = old["log_probs"]
             try:
-                metrics = actor.update(batch)
+                metrics, update_log_probs = actor.update_with_log_probs(batch)
             except ValueError as err:
                 out[name] = {"error": str(err)}
                 continue
             out[name] = {"metrics": metrics, "weights": dict(actor.engine.iter_hf_weights())}
             if name == "own_forward":
-                out[name]["update_log_probs"] = actor.update_log_probs
+                out[name]["update_log_probs"] = update_log_probs
         out["on_policy"] = actor.updates_on_policy(batch.batch_size)
         if out["on_policy"]:
             out.update(_corrected_updates(cfg, arch, hf_dir))

@@ -191,7 +191,7 @@ def test_no_network():
 
 def test_the_isolation_in_force_is_reported_at_start_up(capsys):
     from rlfactory_megatron.envs.tools.registry import ToolSpec
-    from rlfactory_megatron.trainer.rollouts import _report_sandboxes
+    from rlfactory_megatron.rollout.generator import _report_sandboxes
 
     _report_sandboxes([ToolSpec("calculator"), ToolSpec("python", {"isolate_network": False})])
     lines = capsys.readouterr().out.splitlines()

@@ -155,7 +155,7 @@ def _check_runs_as_written(script: str, run_dir: Path, env: dict[str, str]) -> l
 
     from rlfactory_megatron.config import load_config
     from rlfactory_megatron.models.hf_arch import load_arch
-    from rlfactory_megatron.models.resolve import resolve_model_path
+    from rlfactory_megatron.trainer.model_path import resolve_model_path
     from rlfactory_megatron.trainer.presets import apply_preset
 
     [config] = [word for word in (EXAMPLES / script).read_text().split() if word.endswith(".yaml")]

@@ -14,7 +14,7 @@ from rlfactory_megatron.models.hf_arch import load_arch
 from rlfactory_megatron.rollout.engines import Generation, SamplingConfig, VLLMEngine
 from rlfactory_megatron.rollout.weight_sync import InProcessTransport, WeightSyncError, sync_weights
 from rlfactory_megatron.runtime.distributed import ParallelSizes, destroy_distributed, init_distributed
-from rlfactory_megatron.trainer.rollouts import RolloutPlane
+from rlfactory_megatron.rollout.fleet import EngineFleet
 
 PROMPTS = [[5, 17, 42, 7], [100, 3, 9, 250, 11, 12], [61, 62], [300, 301, 302]]
 
@@ -176,7 +176,7 @@ class _UntouchedTransport:
 
 
 class _SenderThatCannotReplace:
-    """The rollout plane's state RolloutPlane.sync reads, on a disaggregated run: rank 0 holds the
+    """The fleet's state EngineFleet.update_weights reads, on a disaggregated run: rank 0 holds the
     pool and the transport; its replacement of a dead engine fails with `refusal`."""
 
     def __init__(self, cfg, refusal: str):
@@ -191,21 +191,21 @@ class _SenderThatCannotReplace:
 
 
 def refused_sync_worker(hf_dir: str, refusal: str) -> dict:
-    """RolloutPlane.sync on two data-parallel ranks whose sender cannot replace its engines: every
+    """EngineFleet.update_weights on two data-parallel ranks whose sender cannot replace its engines: every
     rank must raise the sender's reason, not wait in the export's collectives."""
     init_distributed(ParallelSizes(1, 1), seed=3, timeout_s=60)
     try:
         cfg = load_config(overrides=["actor.max_tokens_per_microbatch=256"])
         actor = Actor(cfg.actor, load_arch(hf_dir), hf_dir, BuildOptions(), total_steps=10)
-        plane = _SenderThatCannotReplace(cfg, refusal)
+        fleet = _SenderThatCannotReplace(cfg, refusal)
         report = {"rank": dist.get_rank()}
         try:
-            RolloutPlane.sync(plane, actor.engine, version=1)
+            EngineFleet.update_weights(fleet, actor.engine, version=1)
         except WeightSyncError as exc:
             report["error"] = str(exc)
-        if plane.transport is not None:
-            report["transport_calls"] = plane.transport.calls
-            report["served_version"] = plane.transport.served_version
+        if fleet.transport is not None:
+            report["transport_calls"] = fleet.transport.calls
+            report["served_version"] = fleet.transport.served_version
         return report
     finally:
         destroy_distributed()

@@ -244,7 +244,7 @@ def test_a_llama3_tool_call_turn_stops_at_eom_on_vllm(tmp_path):
     # the tool manager owns reach vLLM; the same marker ends the turn in an SFT demonstration.
     from rlfactory_megatron.models.tiny_tokenizer import LLAMA3_TEMPLATE
     from rlfactory_megatron.rollout.engines import VLLMEngine
-    from rlfactory_megatron.trainer.data import PromptRecord
+    from rlfactory_megatron.rollout.prompts import PromptRecord
     from rlfactory_megatron.trainer.sft import demonstration_rows
 
     corpus = [LLAMA_CALL_JSON, ANSWER, "What is 12 times 7?"]

@@ -123,7 +123,7 @@ def test_an_engine_that_fails_a_step_inside_a_live_actor_counts_as_dead():
     # What rlf-train's router is given: a Ray actor's death and a failed vLLM step inside a live
     # actor both move the requests to the other engines; a bad request does not.
     from rlfactory_megatron.rollout.async_engine import EngineStepError
-    from rlfactory_megatron.trainer.rollouts import _engine_died
+    from rlfactory_megatron.rollout.fleet import _engine_died
 
     class FailingStep(Engine):
         async def generate(self, prompt, sampling):

@@ -186,7 +186,7 @@ def _processes_working_in(folder: Path) -> list[int]:
 
 
 def test_convert_job(slurm, tmp_path):
-    from rlfactory_megatron.models.resolve import resolve_model_path
+    from rlfactory_megatron.trainer.model_path import resolve_model_path
 
     env = block_env(tmp_path)
     os.environ.setdefault("RLF_CACHE_HOME", env["RLF_CACHE_HOME"])

@@ -18,7 +18,7 @@ def log_probs_three_ways(checkpoint: str, initial_hf_dir: str,
     from rlfactory_megatron.models.builder import BuildOptions
     from rlfactory_megatron.models.hf_arch import load_arch
     from rlfactory_megatron.runtime.distributed import ParallelSizes, destroy_distributed, init_distributed
-    from rlfactory_megatron.trainer.rollouts import pad_rows
+    from rlfactory_megatron.actor.batch import pad_rows
 
     hf_dir = Path(checkpoint) / "hf"
     sequences = [prompt + response for prompt, response in rows]

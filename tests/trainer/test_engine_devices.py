@@ -8,7 +8,7 @@ import torch
 
 from rlfactory_megatron.runtime.distributed import local_device_index
 from rlfactory_megatron.runtime.launch_env import detect_launch_env
-from rlfactory_megatron.trainer.rollouts import EngineLayout, _engine_devices
+from rlfactory_megatron.rollout.fleet import EngineLayout, _engine_devices
 
 # (launcher environment, the GPUs every task sees, rollout.tp, the engine's CUDA_VISIBLE_DEVICES)
 CASES = {

@@ -7,7 +7,8 @@ import re
 import pytest
 
 from rlfactory_megatron.config import load_config
-from rlfactory_megatron.trainer.data import fit_prompt, run_records
+from rlfactory_megatron.rollout.prompts import fit_prompt
+from rlfactory_megatron.trainer.data import run_records
 from rlfactory_megatron.trainer.data_checks import check_run_data
 
 
@@ -15,7 +16,7 @@ from rlfactory_megatron.trainer.data_checks import check_run_data
 def qwen3(tmp_path_factory) -> str:
     """The embedded default's model and tokenizer (chat template, tool-call format), built in the
     session's model cache, as rlf-train's runs in the suite build it."""
-    from rlfactory_megatron.models.resolve import resolve_model_path
+    from rlfactory_megatron.trainer.model_path import resolve_model_path
 
     os.environ.setdefault("RLF_CACHE_HOME", str(tmp_path_factory.getbasetemp() / "rlf-cache"))
     return str(resolve_model_path("tiny://qwen3"))

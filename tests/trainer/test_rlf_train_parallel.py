@@ -58,7 +58,7 @@ def _check_the_trained_model_leaves_as_hf(tmp_path, checkpoint):
     from transformers import AutoTokenizer
 
     from rlfactory_megatron.models.hf_checkpoint import iter_safetensors
-    from rlfactory_megatron.models.resolve import resolve_model_path
+    from rlfactory_megatron.trainer.model_path import resolve_model_path
     from rlfactory_megatron.runtime.distributed import spawn_local_workers
 
     os.environ.setdefault("RLF_CACHE_HOME", env_for(tmp_path)["RLF_CACHE_HOME"])  # the run's model cache

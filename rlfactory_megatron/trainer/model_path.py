@@ -1,4 +1,5 @@
-"""Turn `model.path` into a HF folder: a real checkpoint, or `tiny://<family>` built once and cached."""
+"""Turn `model.path` into a HF folder: a real checkpoint, or `tiny://<family>` built once and cached
+(its tokenizer trained on the built-in task's text: tasks.py)."""
 from __future__ import annotations
 
 import os
@@ -63,5 +64,5 @@ def resolve_model_path(path: str) -> Path:
     folder = Path(path)
     if not (folder / "config.json").is_file():
         raise ValueError(f"model.path='{path}' is not a Hugging Face model folder (no config.json); "
-                         f"give a local folder or {TINY_SCHEME}<llama|qwen2|qwen3>")
+                         f"give a local folder or {TINY_SCHEME}<llama|qwen2|qwen3|qwen3_moe>")
     return folder

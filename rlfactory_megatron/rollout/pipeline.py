@@ -10,7 +10,7 @@ is served, after the previous step's sync.
 Without partial rollout a sync first waits for the batches in flight: each batch is generated
 by one version, fixed by its index, so the run does not depend on timing, and a checkpoint
 stores the batches ahead of it (the weights that generated them are gone) to resume exactly.
-With partial rollout a sync lands while batches generate (the plane pauses engine calls for
+With partial rollout a sync lands while batches generate (the fleet pauses engine calls for
 it); their later tokens come from the new weights and carry its version.
 """
 from __future__ import annotations
@@ -18,10 +18,14 @@ from __future__ import annotations
 import concurrent.futures
 import pickle
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from rlfactory_megatron.trainer.data import PromptRecord
-from rlfactory_megatron.trainer.rollouts import PendingRollout, RolloutPlane, Rollouts, _done
+from rlfactory_megatron.rollout.fleet import done
+from rlfactory_megatron.rollout.prompts import PromptRecord
+from rlfactory_megatron.rollout.rows import PendingRollout, Rollouts
+
+if TYPE_CHECKING:
+    from rlfactory_megatron.rollout.generator import RolloutGenerator
 
 # The batches ahead of a checkpoint, with what the generating process made of them.
 AHEAD_FILE = "rollouts_ahead.pkl"
@@ -31,9 +35,9 @@ class RolloutPipeline:
     """Every rank holds one and calls it in the same order (`take`, `before_sync`, `after_sync`):
     batches start in index order, each drawing its prompts when it starts."""
 
-    def __init__(self, plane: RolloutPlane, draw: Callable[[], list[PromptRecord]], max_staleness: int,
+    def __init__(self, generator: RolloutGenerator, draw: Callable[[], list[PromptRecord]], max_staleness: int,
                  partial_rollout: bool, total_steps: int) -> None:
-        self.plane, self.draw = plane, draw
+        self.generator, self.draw = generator, draw
         self.max_staleness, self.partial_rollout, self.total_steps = max_staleness, partial_rollout, total_steps
         self.ahead: dict[int, PendingRollout] = {}  # started and not yet trained, by batch index
         self.next_batch = 0  # the first batch not started
@@ -42,7 +46,7 @@ class RolloutPipeline:
         """Batch `step` (the engines serve version `step`), once generated."""
         self.next_batch = max(self.next_batch, step)  # a run that starts at `step` (fresh or resumed)
         self._start_allowed(step)
-        return self.plane.finish(self.ahead.pop(step))
+        return self.generator.finish(self.ahead.pop(step))
 
     def before_sync(self) -> None:
         """Without partial rollout: wait until the batches in flight are generated."""
@@ -57,7 +61,7 @@ class RolloutPipeline:
     def _start_allowed(self, version: int) -> None:
         last = min(version + self.max_staleness, self.total_steps - 1)
         while self.next_batch <= last:
-            self.ahead[self.next_batch] = self.plane.start(self.draw(), self.next_batch)
+            self.ahead[self.next_batch] = self.generator.start(self.draw(), self.next_batch)
             self.next_batch += 1
 
     def _wait_for_ahead(self) -> None:
@@ -68,7 +72,7 @@ class RolloutPipeline:
         """The batches ahead, generated (this waits for them), as checkpoint bytes; None on the
         ranks that did not generate them (they keep only the prompts, which rank 0 stores)."""
         self._wait_for_ahead()
-        if self.plane.layout.rank != 0:
+        if self.generator.fleet.layout.rank != 0:
             return None
         return pickle.dumps({index: (p.records, p.generation.result() if p.generation is not None else None)
                              for index, p in sorted(self.ahead.items())}, protocol=pickle.HIGHEST_PROTOCOL)
@@ -78,8 +82,8 @@ class RolloutPipeline:
         path = directory / AHEAD_FILE
         if not path.is_file():
             return
-        generating = self.plane.layout.engine_index is not None
+        generating = self.generator.fleet.generates
         for index, (records, generated) in pickle.loads(path.read_bytes()).items():
             self.ahead[index] = PendingRollout(records, index, False, 0,
-                                               _done(generated) if generating and generated is not None else None)
+                                               done(generated) if generating and generated is not None else None)
             self.next_batch = max(self.next_batch, index + 1)
