@@ -29,6 +29,14 @@ if TYPE_CHECKING:
 
 # The batches ahead of a checkpoint, with what the generating process made of them.
 AHEAD_FILE = "rollouts_ahead.pkl"
+# Where the pickled classes lived before the rollout side moved into rollout/: a checkpoint an
+# earlier release wrote mid-run still resumes.
+MOVED_MODULES = {"rlfactory_megatron.trainer.rollouts": "rlfactory_megatron.rollout.rows"}
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        return super().find_class(MOVED_MODULES.get(module, module), name)
 
 
 class RolloutPipeline:
@@ -83,7 +91,9 @@ class RolloutPipeline:
         if not path.is_file():
             return
         generating = self.generator.fleet.generates
-        for index, (records, generated) in pickle.loads(path.read_bytes()).items():
+        with open(path, "rb") as file:
+            ahead = _Unpickler(file).load()
+        for index, (records, generated) in ahead.items():
             self.ahead[index] = PendingRollout(records, index, False, 0,
                                                done(generated) if generating and generated is not None else None)
             self.next_batch = max(self.next_batch, index + 1)

@@ -93,3 +93,18 @@ def test_a_checkpoint_keeps_the_batches_ahead_and_a_resume_trains_them_as_genera
     assert resumed.take(1) == ("batch", 1, [2, 3], "rows of 1")
     resumed.after_sync(2)
     assert [b for b, _ in resumed_generator.started] == [3]
+
+
+def test_batches_ahead_pickled_before_the_rollout_side_moved_still_resume(tmp_path):
+    # A checkpoint written mid-run by a release whose row classes lived in trainer/rollouts.py.
+    import pickle
+
+    from rlfactory_megatron.rollout.rows import RowSummary
+
+    summary = RowSummary(row=3, producer=0, prompt_tokens=5, response_tokens=7, turns=2, tool_calls=1)
+    old = pickle.dumps({4: (["prompt"], [summary])}, protocol=0).replace(
+        b"rlfactory_megatron.rollout.rows", b"rlfactory_megatron.trainer.rollouts")
+    (tmp_path / "rollouts_ahead.pkl").write_bytes(old)
+    resumed = _pipeline(Generator(), staleness=1)
+    resumed.restore(tmp_path)
+    assert resumed.ahead[4].records == ["prompt"] and resumed.next_batch == 5
