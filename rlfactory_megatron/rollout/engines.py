@@ -128,8 +128,8 @@ class VLLMEngine:
             # unpinned). Unpinned, the OS spreads them; one engine alone is as fast either way.
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
             # vLLM's sampler torch.compiles a one-line count for every log-prob request
-            # (batched_count_greater_than; inductor builds C++ on CPU): 3.7 CPU-s in each process
-            # that samples, for what eager torch does in microseconds, exactly. Nothing else
+            # (batched_count_greater_than; inductor builds C++ on CPU): 1.1-3.7 CPU-s in each process
+            # that samples (warm-cache and cold), for what eager torch does exactly in microseconds. Nothing else
             # compiles on CPU (the engine is eager; megatron's fusions are off there), so on CPU
             # compilation is off in this process and, through the environment, in vLLM's workers.
             os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
