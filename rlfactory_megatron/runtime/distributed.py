@@ -135,7 +135,14 @@ def destroy_distributed() -> None:
     _own_stores.clear()
 
 
-def _worker_entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, results) -> None:
+def _worker_entry(rank: int, world_size: int, port: int, environ: dict[str, str], fn: Callable[..., Any],
+                  args: tuple, results) -> None:
+    # The starting process's variables as they are now: a fork server started for an earlier
+    # call holds those of its own start.
+    os.environ.clear()
+    os.environ.update(environ)
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():  # torch loaded in the server read it then
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -146,8 +153,26 @@ def _worker_entry(rank: int, world_size: int, port: int, fn: Callable[..., Any],
     results[rank] = fn(*args)
 
 
+# What every rank imports first; a CPU host's fork server imports it once for all the ranks it starts.
+_RANK_PRELOAD = ["torch", "megatron.core", "megatron.core.models.gpt", "megatron.core.optimizer", "transformers"]
+
+
+def _start_method() -> str:
+    """How local ranks start. On a CPU host they fork from a server that imported torch and
+    megatron once (each rank's own imports took ~8 CPU-s, most of a small rank's work, and a
+    test process starts hundreds); a fresh process's state otherwise, as spawn gives. With a GPU,
+    spawn: a process forked after CUDA's libraries initialized cannot use CUDA, and the imports
+    are little beside a GPU run."""
+    if cuda_available():
+        return "spawn"
+    import multiprocessing
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(_RANK_PRELOAD)
+    return "forkserver"
+
+
 def spawn_local_workers(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
-    """Run `fn(*args)` in `world_size` fresh local processes with torchrun-style env; returns per-rank results.
+    """Run `fn(*args)` in `world_size` new local processes (`_start_method`) with torchrun-style env; returns per-rank results.
 
     For commands started outside a launcher on a single host. `fn` must be importable (module level).
     """
@@ -160,10 +185,10 @@ def spawn_local_workers(fn: Callable[..., Any], world_size: int, *args: Any) -> 
         results = manager.dict()
         ranks = mp.start_processes(
             _worker_entry,
-            args=(world_size, port, fn, args, results),
+            args=(world_size, port, dict(os.environ), fn, args, results),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method=_start_method(),
         )
         # A stop signal sent to this process alone (`kill <pid>`) reaches the ranks, which stop together.
         previous = forward_stop_signals(ranks.processes)
