@@ -142,6 +142,15 @@ class VLLMEngine:
                                            "max_num_batched_tokens": max(8192, max_model_len, max_num_seqs),
                                            "kv_cache_memory_bytes": _cpu_kv_cache_bytes(
                                                self.hf_dir, dtype, max_model_len, max_num_seqs, memory_utilization)}
+        # One TP rank: its worker inside the engine core, where vLLM places it on a GPU. vLLM's CPU
+        # platform would move it into a process of its own whenever the engine core has one (for
+        # its OpenMP thread binding, off here): two processes handing every step over through a
+        # busy-polled queue (rlf-train tp=2 by hand, 2 steps: 139 -> 102 CPU-s, the same metrics).
+        executor = {}
+        if tensor_parallel_size == 1:
+            from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+            executor = {"distributed_executor_backend": UniProcExecutor}  # a class: the CPU platform keeps it
         started_before = descendants()
         self.llm = LLM(model=self.hf_dir, skip_tokenizer_init=True, dtype=dtype,
                        tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
@@ -149,7 +158,7 @@ class VLLMEngine:
                        enforce_eager=on_cpu, enable_sleep_mode=enable_sleep_mode,
                        # log-probs of the tempered (and top-k/top-p renormalized) distribution sampled
                        # from: what the trainer's log-probs at rollout.temperature are compared with
-                       logprobs_mode="processed_logprobs", **chunking)
+                       logprobs_mode="processed_logprobs", **chunking, **executor)
         # The engine core's process (and its workers) end with this one, even when it is SIGKILLed.
         self._reaper = Reaper(new_children(started_before))
         self._request_counter = 0
