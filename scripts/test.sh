@@ -25,7 +25,7 @@ fi
 # machine-wide resource (the Slurm cluster) are one xdist_group, run by one worker; tests with
 # bounds on wall time (marked serial) run alone afterwards, where a second test cannot slow them.
 workers=${RLF_TEST_WORKERS:-2}
-# The whole suite has a time budget (45 min on the 2-core machine): each run names its slowest
+# The whole suite has a time budget (55 min on the 2-core machine): each run names its slowest
 # tests, so what to trim is in every CI log.
 slowest=(--durations=25 --durations-min=30)
 status=0
