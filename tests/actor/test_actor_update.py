@@ -1,14 +1,11 @@
 """PPO updates of the Megatron actor: identical across TP/PP/DP splits, micro-batch cuts, masks and resumes."""
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import actor_workers  # noqa: E402
+import actor_workers
 
-from rlfactory_megatron.runtime.distributed import spawn_local_workers  # noqa: E402
+from rlfactory_megatron.runtime.distributed import spawn_local_workers
 
 
 def run(hf_dir, tp=1, pp=1, dp=1, overrides=None, cp=1, ep=1, **kw):

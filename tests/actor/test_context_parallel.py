@@ -1,15 +1,12 @@
 """Context parallelism (parallel.cp): packed multi-turn micro-batches (tool tokens masked) split
 over a CP group of 2 give the logits, log-probs, entropy, values, losses and gradients of CP=1,
 at tp=1 and tp=2 (tp=2 x cp=2: 4 ranks)."""
-import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-import actor_workers  # noqa: E402
+import actor_workers
 
-from rlfactory_megatron.runtime.distributed import spawn_local_workers  # noqa: E402
+from rlfactory_megatron.runtime.distributed import spawn_local_workers
 
 # fp32: the CP group sums attention over two key ranges and the gradients over two ranks, in
 # another order than one rank does; everything else is the same arithmetic.

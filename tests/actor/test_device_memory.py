@@ -3,15 +3,12 @@ gradients and optimizer states go to host memory and back (on CPU, host to host:
 leaving nothing on the device while away, bit for bit the same on return, and the next update
 the same as without the round trip. The memory plan: the parameters each rank really holds, and
 its activation term against what a CPU model's backward pass really keeps."""
-import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-import actor_workers  # noqa: E402
+import actor_workers
 
-from rlfactory_megatron.runtime.distributed import spawn_local_workers  # noqa: E402
+from rlfactory_megatron.runtime.distributed import spawn_local_workers
 
 
 # bf16: fp32 main parameters beside the model's; tp=pp=2: split modules on two stages (the plan's

@@ -1,16 +1,13 @@
 """actor.use_fused_logprob: the fused log-prob kernel gives the actor the same log-probs, entropy and update as
 megatron's vocab-parallel logits path, with megatron's padded vocab (qwen2) and tied embeddings (qwen3),
 and checkpoints do not depend on the switch."""
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import actor_workers  # noqa: E402
+import actor_workers
 
-from rlfactory_megatron.runtime.distributed import spawn_local_workers  # noqa: E402
+from rlfactory_megatron.runtime.distributed import spawn_local_workers
 
 
 def run(hf_dir: str, tp: int, fused: bool, checkpoint: str | None = None, resume_from: str | None = None) -> dict:

@@ -1,18 +1,15 @@
 """Advantages of a batch split over DP ranks (each holding some rows, a group's samples on
 several ranks) equal those of the whole batch on one rank, for every estimator: group baselines
 and whitening are the batch's."""
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import dp_workers  # noqa: E402
+import dp_workers
 
-from rlfactory_megatron.algorithms import compute_advantages  # noqa: E402
-from rlfactory_megatron.algorithms.advantages import ADVANTAGE_ESTIMATORS  # noqa: E402
-from rlfactory_megatron.runtime.distributed import spawn_local_workers  # noqa: E402
+from rlfactory_megatron.algorithms import compute_advantages
+from rlfactory_megatron.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from rlfactory_megatron.runtime.distributed import spawn_local_workers
 
 # Interleaved, so every group of 4 has samples on both ranks; rank 1 holds more rows than rank 0.
 SPLIT = [[0, 3, 5, 8, 10], [1, 2, 4, 6, 7, 9, 11]]

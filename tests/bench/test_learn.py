@@ -4,10 +4,8 @@ the exit status) with no thread variable set, as a newcomer runs it (rlf-train c
 import json
 import subprocess
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
-from rlf_train_cli import SMALL, env_for  # noqa: E402
+from rlf_train_cli import SMALL, env_for
 
 
 def test_learn_reports_every_run_and_the_median(tmp_path):

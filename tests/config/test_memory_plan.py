@@ -4,7 +4,6 @@ refused at load naming its biggest terms and the keys that lower them."""
 import functools
 import json
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -12,15 +11,13 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
-from rlf_train_cli import BIN, env_for  # noqa: E402
-from test_config import REAL_SHAPES  # noqa: E402
+from rlf_train_cli import BIN, env_for
+from test_config import REAL_SHAPES
 
-from rlfactory_megatron.config import ConfigError, load_config  # noqa: E402
-from rlfactory_megatron.models.hf_arch import arch_from_hf_config  # noqa: E402
-from rlfactory_megatron.trainer.memory_plan import GIB, memory_plan  # noqa: E402
-from rlfactory_megatron.trainer.presets import apply_preset  # noqa: E402
+from rlfactory_megatron.config import ConfigError, load_config
+from rlfactory_megatron.models.hf_arch import arch_from_hf_config
+from rlfactory_megatron.trainer.memory_plan import GIB, memory_plan
+from rlfactory_megatron.trainer.presets import apply_preset
 
 ROOT = Path(__file__).parents[2]
 EXAMPLES = ROOT / "rlfactory_megatron" / "config" / "examples"

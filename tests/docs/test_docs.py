@@ -1,13 +1,9 @@
 """docs/ cannot drift: the configuration reference is the schema's, and every command the
 README and docs/ mark as running on CPU runs (in order, per document, from a checkout-like
 folder), or is run by the test its tag names."""
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from blocks import ROOT, block_env, cpu_blocks, run_block, workdir  # noqa: E402
+from blocks import ROOT, block_env, cpu_blocks, run_block, workdir
 
 # tag -> where it is run; `ci` is the README's first block: the two commands CI and the learning test run.
 TAGGED = {"ci": None, "multinode": "tests/trainer/test_multinode.py", "mpirun": "tests/trainer/test_multinode.py"}

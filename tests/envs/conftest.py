@@ -1,14 +1,12 @@
 """Fixtures for the envs tests: the small Qwen- and Llama-3-style tokenizers (Ray comes from tests/conftest.py)."""
-import sys
 from pathlib import Path
 
 import pytest
 
 HERE = Path(__file__).resolve().parent
 # Test helper modules of this folder (rlf_fault_tools) import by name, here and in Ray workers.
-sys.path.insert(0, str(HERE))
 
-from rlfactory_megatron.models.tiny_tokenizer import LLAMA3_TEMPLATE, QWEN_TEMPLATE, train_chat_tokenizer  # noqa: E402
+from rlfactory_megatron.models.tiny_tokenizer import LLAMA3_TEMPLATE, QWEN_TEMPLATE, train_chat_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
-from rlf_train_cli import BIN, env_for, records  # noqa: E402
+from rlf_train_cli import BIN, env_for, records
 
 ROOT = Path(__file__).parents[2]
 EXAMPLES = ROOT / "examples"

@@ -13,8 +13,7 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-import gpu_lock  # noqa: E402
+import gpu_lock
 
 
 def test_the_lock_is_what_pip_resolves_for_the_gpu_platform():

@@ -2,16 +2,13 @@
 own request finishes, not when a batch does; samples are the batch path's; a bad request, a
 cancelled caller and a closed front each leave the rest served and the engine clean."""
 import asyncio
-import os
-import sys
 
 import pytest
 
 from rlfactory_megatron.rollout.async_engine import (
     AsyncBatchingEngine, EngineStepError, GenerationInterrupted, StreamingEngine, sampling_config, serving)
 
-sys.path.insert(0, os.path.dirname(__file__))
-from rollout_workers import SignallingEngine  # noqa: E402
+from rollout_workers import SignallingEngine
 
 pytestmark = pytest.mark.slow
 

@@ -1,19 +1,17 @@
 """Megatron -> vLLM weight sync: exact log-probs after every sync, at every TP/PP split; refused syncs change nothing."""
 import os
 import re
-import sys
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import rollout_workers  # noqa: E402
+import rollout_workers
 
-from rlfactory_megatron.rollout.weight_sync import (  # noqa: E402
+from rlfactory_megatron.rollout.weight_sync import (
     EngineLostError, WeightSyncError, check_manifest, fused_group, iter_buckets)
-from rlfactory_megatron.runtime.distributed import spawn_local_workers  # noqa: E402
+from rlfactory_megatron.runtime.distributed import spawn_local_workers
 
 
 # tp=2 pp=2 exports through both kinds of model parallelism at once (TP gathers and PP stages);

@@ -1,10 +1,8 @@
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from cluster import SlurmCluster, add_hosts_entry, missing, remove_hosts_entry  # noqa: E402
+from cluster import SlurmCluster, add_hosts_entry, missing, remove_hosts_entry
 
 
 @pytest.fixture(scope="module")

@@ -9,17 +9,14 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "docs"))
-from blocks import block_env, workdir  # noqa: E402
+from blocks import block_env, workdir
 
-sys.path.insert(0, str(Path(__file__).parent))
-from cluster import free_ports  # noqa: E402
+from cluster import free_ports
 
 # One Slurm cluster (and its /etc/hosts entry) for the module: under pytest-xdist one worker runs it all.
 pytestmark = pytest.mark.xdist_group("slurm")

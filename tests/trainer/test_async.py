@@ -1,22 +1,19 @@
 """Asynchronous RL through the real rlf-train (one disaggregated vLLM engine in a Ray actor):
 batches generated ahead of training under trainer.max_staleness, the version of every token in
 the rollout store, exact resume of a killed run, and weight updates that land mid-trajectory."""
-import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 
-sys.path.insert(0, os.path.dirname(__file__))
-from rlf_train_cli import (  # noqa: E402
+from rlf_train_cli import (
     BIN, assert_same_metrics, env_for, kill_after_checkpoint, records, rlf_train, stop_after_step,
     stored_trajectories)
 
-from rlfactory_megatron.envs.storage import RolloutStore  # noqa: E402
+from rlfactory_megatron.envs.storage import RolloutStore
 
 ASYNC = ("rollout.mode=disaggregated", "rollout.num_engines=1", "trainer.max_staleness=1", "actor.mini_batch_size=2")
 

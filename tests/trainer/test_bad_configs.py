@@ -3,15 +3,11 @@ any model, Ray or vLLM starts, with one last line that names the key (or file) a
 import json
 import os
 import subprocess
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import pytest
-
-sys.path.insert(0, os.path.dirname(__file__))
-from rlf_train_cli import BIN, env_for  # noqa: E402
+from rlf_train_cli import BIN, env_for
 
 REWARD_FN = "def compute_score(data_source, solution_str, ground_truth, extra_info):\n    return 1.0\n"
 WRONG_SIGNATURE = "def compute_score(text):\n    return 1.0\n"

@@ -8,14 +8,11 @@ The run is the real default (~3 minutes here); the margins are well below those 
 6 seeds and 3 thread settings (`rlf-bench learn`: held-out gains 0.60-0.82, reward gains 0.19-0.37),
 so that another machine's float rounding cannot flip the verdict.
 """
-import os
 import subprocess
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-from rlf_train_cli import BIN, env_for, records  # noqa: E402
+from rlf_train_cli import BIN, env_for, records
 
 
 def _mean(rows, key):

@@ -3,15 +3,12 @@ random in every way (raise, hang, block, 4 MB output, exit the worker, lone surr
 a string, hang, exit) cost their samples, never the run or the weights."""
 import json
 import math
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-from rlf_train_cli import BIN, env_for, records  # noqa: E402
+from rlf_train_cli import BIN, env_for, records
 
 # Bounds on wall time: run alone, after the parallel part of the suite (scripts/test.sh).
 pytestmark = pytest.mark.serial

@@ -2,11 +2,9 @@
 Two torchrun "nodes" on this host with two ranks each train with TP inside a node and DP across
 the nodes (one engine per node, each DP rank trains rows); `mpiexec -n 2 rlf-train` trains at tp=2."""
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "docs"))
-from blocks import block_env, docs_block, run_block, workdir  # noqa: E402
+from blocks import block_env, docs_block, run_block, workdir
 
 
 def _records(run_dir: Path) -> list[dict]:

@@ -2,16 +2,13 @@
 weight sync into vLLM, metrics/TensorBoard/checkpoints; a run killed with SIGKILL resumes and
 continues exactly (at tp=2 by hand: two engines, one per TP rank); DAPO's dynamic sampling; bad
 config fails before any work."""
-import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-from rlf_train_cli import (assert_same_metrics, check_device_phases, kill_after_checkpoint, recording_env,  # noqa: E402
+from rlf_train_cli import (assert_same_metrics, check_device_phases, kill_after_checkpoint, recording_env,
                            records, rlf_train, stored_trajectories)
 
-from rlfactory_megatron.envs.storage import RolloutStore  # noqa: E402
+from rlfactory_megatron.envs.storage import RolloutStore
 
 
 # LR warm-up over 4 steps: the SFT warm-start trains at its own LR without advancing it. tp=2:

@@ -9,14 +9,12 @@ actor's weights in transformers and vLLM, and what `rlf-convert mcore-to-hf` mak
 import math
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import checkpoint_workers  # noqa: E402
-from rlf_train_cli import BIN, env_for, records, rlf_train, stored_trajectories  # noqa: E402
+import checkpoint_workers
+from rlf_train_cli import BIN, env_for, records, rlf_train, stored_trajectories
 
 
 @pytest.mark.parametrize("algorithm,tp,pp,extra", [("grpo", 1, 2, ("actor.policy_loss=dual-clip",)),

@@ -2,11 +2,8 @@
 rollout shard, every engine serves the actor's weights after each sync, and a run's samples do
 not depend on how many engines generate them, colocated or disaggregated behind a router; nor
 on a context-parallel group splitting every sequence over 2 ranks (killed and resumed)."""
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
-from rlf_train_cli import (  # noqa: E402
+from rlf_train_cli import (
     assert_same_metrics, kill_after_checkpoint, records, rlf_train, stored_trajectories, torchrun_train)
 
 # mini_batch_size=2: several optimizer steps per RL step, so the trainer computes old log-probs
