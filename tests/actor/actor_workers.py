@@ -426,3 +426,31 @@ def recompute_worker(hf_dir: str) -> dict:
         return out
     finally:
         destroy_distributed()
+
+
+def routing_replay_worker(hf_dir: str, pp: int, recompute: bool, mini_batch_size: int = 3) -> dict:
+    """Routing replay (actor.moe.routing_replay=R2) at a layout: the old-log-prob pass's routes,
+    then two updates from the same start over 2 mini-batches: replaying the recorded routes, and
+    replaying routes no router would choose (each recorded expert + 1), which only a replay
+    keyed by micro-batch and layer applies alike at every layout."""
+    init_distributed(ParallelSizes(1, pp), seed=7)
+    try:
+        cfg = actor_config(**{"actor.moe.routing_replay": "R2", "actor.mini_batch_size": mini_batch_size,
+                              "actor.max_tokens_per_microbatch": 32})
+        arch = load_arch(hf_dir)
+        build = BuildOptions(recompute_activations=recompute, moe=MoEOptions(**cfg.model.moe))
+        out = {}
+        for name in ("recorded", "shifted"):
+            actor = Actor(cfg.actor, arch, hf_dir, build, total_steps=10)
+            batch = make_batch(arch.vocab_size)
+            old = actor.compute_log_probs(batch)
+            routes = old["routes"]
+            if name == "shifted":
+                routes = torch.where(routes >= 0, (routes + 1) % arch.moe.num_experts, routes)
+            batch = batch.with_fields(old_log_probs=old["log_probs"], ref_log_probs=old["log_probs"], routes=routes)
+            metrics, first_forward = actor.update_with_log_probs(batch)
+            out[name] = {"metrics": metrics, "update_log_probs": first_forward, "old_log_probs": old["log_probs"],
+                         "routes": old["routes"]}
+        return out
+    finally:
+        destroy_distributed()

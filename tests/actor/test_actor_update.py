@@ -75,6 +75,36 @@ def test_moe_update_with_experts_split_over_two_ranks_equals_one_rank(tiny_hf_di
     assert not torch.equal(frozen[expert], before[expert]) and not torch.equal(frozen[expert], alone["weights"][expert])
 
 
+def test_routing_replay_replays_the_recorded_routes_at_pp2_with_recompute(tiny_hf_dirs):
+    # actor.moe.routing_replay=R2: the update's forwards take the routes the old-log-prob pass took.
+    one = spawn_local_workers(actor_workers.routing_replay_worker, 1, tiny_hf_dirs["qwen3_moe"], 1, False)[0]
+    rec = one["recorded"]
+    assert rec["routes"].dtype == torch.int16 and rec["routes"].shape[2:] == (4, 2)
+    # Aligned like the log-probs: at token t, the routes of the position predicting it (1 <= t < length).
+    t, lengths = torch.arange(rec["routes"].shape[1])[None], torch.tensor([10 + 3 * i for i in range(6)])[:, None]
+    recorded = (rec["routes"] >= 0).all(-1).all(-1)
+    assert torch.equal(recorded, (t >= 1) & (t < lengths))
+    # Before the first optimizer step, the update's forward is the old-log-prob pass's (4.8e-7 apart
+    # measured: the rounding of the update's own packs of the rows, not of the routes).
+    first = slice(0, 3)  # the first of 2 mini-batches
+    assert (rec["update_log_probs"][first] - rec["old_log_probs"][first]).abs().max() <= 1e-6
+    # The update's own routers agree with the recorded routes on the first mini-batch, less after
+    # its optimizer step (0.80 measured over both).
+    assert 0.5 < rec["metrics"]["moe/routing_agreement"] < 1
+    assert all(rec["metrics"][f"moe/load_imbalance/layer{layer}"] >= 1 for layer in range(4))
+    # Replayed routes no router chose: the update follows them (its router never agrees) ...
+    shifted = one["shifted"]
+    assert shifted["metrics"]["moe/routing_agreement"] < 0.05
+    assert (shifted["update_log_probs"] - rec["update_log_probs"]).abs().max() > 1e-2
+    # ... and two pipeline stages that recompute every layer in the backward replay each
+    # micro-batch's own routes: the same log-probs and update as one stage.
+    two = spawn_local_workers(actor_workers.routing_replay_worker, 2, tiny_hf_dirs["qwen3_moe"], 2, True)[0]
+    for name in ("recorded", "shifted"):
+        assert torch.allclose(two[name]["update_log_probs"], one[name]["update_log_probs"], atol=1e-5), name
+        for key in ("actor/pg_loss", "actor/grad_norm", "moe/routing_agreement"):
+            assert two[name]["metrics"][key] == pytest.approx(one[name]["metrics"][key], abs=1e-5), (name, key)
+
+
 @pytest.mark.parametrize("mini_batch_size", [6, 3, 1])
 def test_dp_ranks_holding_only_their_rows_make_the_same_update(tiny_hf_dirs, mini_batch_size):
     # The trainer hands each DP rank only the rows it trains on; log-probs and update equal those
