@@ -66,13 +66,21 @@ def test_moe_update_with_experts_split_over_two_ranks_equals_one_rank(tiny_hf_di
     from rlfactory_megatron.models.hf_checkpoint import iter_safetensors
 
     keys = {"model.moe.freeze_router": True, "model.moe.load_balancing": "aux_loss", "model.moe.aux_loss_coeff": 0.1}
-    frozen = run(tiny_hf_dirs["qwen3_moe"], overrides=keys)[0]["weights"]
+    balanced = run(tiny_hf_dirs["qwen3_moe"], overrides=keys)[0]
+    frozen = balanced["weights"]
     before = dict(iter_safetensors(tiny_hf_dirs["qwen3_moe"]))
     routers = [name for name in before if name.endswith("mlp.gate.weight")]
     assert len(routers) == 4 and all(torch.equal(frozen[name], before[name]) for name in routers)
     assert not all(torch.equal(alone["weights"][name], before[name]) for name in routers)
     expert = "model.layers.0.mlp.experts.0.down_proj.weight"
     assert not torch.equal(frozen[expert], before[expert]) and not torch.equal(frozen[expert], alone["weights"][expert])
+    # The update's MoE metrics: each layer's expert load (max / mean tokens per expert, the same
+    # at ep 2), the balancing loss where there is one (~1 for a router spreading tokens evenly).
+    for layer in range(4):
+        key = f"moe/load_imbalance/layer{layer}"
+        assert alone["metrics"][key] > 1 and split[0]["metrics"][key] == pytest.approx(alone["metrics"][key])
+    assert "moe/aux_loss" not in alone["metrics"] and "moe/routing_agreement" not in alone["metrics"]
+    assert 0.5 < balanced["metrics"]["moe/aux_loss"] < 4
 
 
 def test_routing_replay_replays_the_recorded_routes_at_pp2_with_recompute(tiny_hf_dirs):
