@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from rlfactory_megatron.actor.batch import PackedMicroBatch
+from rlfactory_megatron.runtime.cpu_compat import compute_device
 
 NO_ROUTE = -1  # a position no batch token sits at (pack padding): the router's own choice stands
 
@@ -62,8 +63,9 @@ class RouterTaps:
                     module.register_forward_pre_hook(self._enter_layer, with_kwargs=True)
 
     def reset_metrics(self) -> None:
-        self.load = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64)
-        self.agreement = torch.zeros(self.num_layers, 2, dtype=torch.float64)  # agreeing, compared
+        # On the device: counting costs no host sync per layer.
+        self.load = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64, device=compute_device())
+        self.agreement = torch.zeros(self.num_layers, 2, dtype=torch.float64, device=compute_device())  # agreeing, compared
         # Router calls that added to megatron's aux-loss tracker (recomputes too), per layer.
         self.loss_calls = torch.zeros(self.num_layers, dtype=torch.float64)
         from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
@@ -87,11 +89,12 @@ class RouterTaps:
         routes = routes or RoutePass()
         micro_batches = [b["packed"] for b in model_batches]  # a CP rank's: its share of the pack
         local = [self._local_positions(mb) for mb in micro_batches]
+        device = compute_device()
         self._pass = {"index": {self._key(b): i for i, b in enumerate(model_batches)}, "current": None,
-                      "local": local, "tokens": [self._token_positions(mb)[pos] for mb, pos in zip(micro_batches, local)],
+                      "tokens": [self._token_positions(mb)[pos].to(device) for mb, pos in zip(micro_batches, local)],
                       "record": {} if routes.record else None, "counted": set(),
                       "replay": None if routes.replay is None else
-                      [self._packed_routes(mb, routes.replay)[pos] for mb, pos in zip(micro_batches, local)]}
+                      [self._packed_routes(mb, routes.replay)[pos].to(device) for mb, pos in zip(micro_batches, local)]}
         try:
             yield
         finally:
@@ -104,23 +107,23 @@ class RouterTaps:
             return own
         mb = state["current"]
         chosen = own
-        tokens = state["tokens"][mb].to(own.device)
+        tokens = state["tokens"][mb]
         first = (mb, layer) not in state["counted"]  # a recompute routes the same tokens again: count once
         state["counted"].add((mb, layer))
         if torch.is_grad_enabled():
             self.loss_calls[layer] += 1
         if state["replay"] is not None:
-            target = state["replay"][mb][:, layer].to(own.device, torch.long)
+            target = state["replay"][mb][:, layer].long()
             known = (target != NO_ROUTE).all(-1)
             chosen = torch.where(known[:, None], target, own)
             if first:
                 compared = known & tokens
                 same = (own.sort(-1).values == target.sort(-1).values).all(-1) & compared
-                self.agreement[layer] += torch.tensor([float(same.sum()), float(compared.sum())], dtype=torch.float64)
+                self.agreement[layer] += torch.stack([same.sum(), compared.sum()]).double()
         if state["record"] is not None:
             state["record"][(mb, layer)] = chosen.detach()
         if first:
-            self.load[layer] += torch.bincount(chosen[tokens].flatten(), minlength=self.num_experts).double().cpu()
+            self.load[layer].index_add_(0, chosen.flatten(), tokens[:, None].expand_as(chosen).flatten().double())
         return chosen
 
     # ------------------------------------------------------------------ positions and layouts
@@ -188,9 +191,9 @@ class RouterTaps:
         losses = torch.zeros(len(names), self.num_layers, dtype=torch.float64)
         for i, name in enumerate(names):
             if name in tracked:
-                losses[i] = tracked[name]["values"].detach().double().cpu() / self.loss_calls.clamp(min=1)
+                losses[i] = tracked[name]["values"][: self.num_layers].detach().double().cpu() / self.loss_calls.clamp(min=1)
         holders = (self.loss_calls > 0).double()[None]  # ranks whose forward ran the layer
-        stats = torch.cat([self.load.flatten(), self.agreement.flatten(), losses.flatten(), holders.flatten()])
+        stats = torch.cat([self.load.flatten().cpu(), self.agreement.flatten().cpu(), losses.flatten(), holders.flatten()])
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(stats)
         load, agreement, losses, holders = stats.split([self.load.numel(), self.agreement.numel(), losses.numel(),

@@ -428,7 +428,8 @@ def recompute_worker(hf_dir: str) -> dict:
         destroy_distributed()
 
 
-def routing_replay_worker(hf_dir: str, pp: int, recompute: bool, mini_batch_size: int = 3) -> dict:
+def routing_replay_worker(hf_dir: str, pp: int, recompute: bool, mini_batch_size: int = 3,
+                          layer_spec: str = "auto") -> dict:
     """Routing replay (actor.moe.routing_replay=R2) at a layout: the old-log-prob pass's routes,
     then two updates from the same start over 2 mini-batches: replaying the recorded routes, and
     replaying routes no router would choose (each recorded expert + 1), which only a replay
@@ -438,7 +439,7 @@ def routing_replay_worker(hf_dir: str, pp: int, recompute: bool, mini_batch_size
         cfg = actor_config(**{"actor.moe.routing_replay": "R2", "actor.mini_batch_size": mini_batch_size,
                               "actor.max_tokens_per_microbatch": 32})
         arch = load_arch(hf_dir)
-        build = BuildOptions(recompute_activations=recompute, moe=MoEOptions(**cfg.model.moe))
+        build = BuildOptions(layer_spec=layer_spec, recompute_activations=recompute, moe=MoEOptions(**cfg.model.moe))
         out = {}
         for name in ("recorded", "shifted"):
             actor = Actor(cfg.actor, arch, hf_dir, build, total_steps=10)
