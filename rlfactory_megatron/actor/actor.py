@@ -275,14 +275,19 @@ class Actor(PolicyModel):
         """One PPO update; returns averaged metrics (same on every rank). `tis_cap`: an on-policy
         update (no old_log_probs, see updates_on_policy) weights each token's advantage by the
         truncated IS ratio of its own forward's log-probs to batch.engine_log_probs, the
-        correction a separate log-prob pass would give, without the pass."""
-        return self.update_with_log_probs(batch, tis_cap)[0]
+        correction a separate log-prob pass would give, without the pass. With routes on the
+        batch (routing replay), every forward of the update routes each token as recorded."""
+        return self._update(batch, tis_cap, token_outputs=None)
 
     def update_with_log_probs(self, batch: RolloutBatch,
                               tis_cap: float | None = None) -> tuple[dict[str, float], torch.Tensor]:
         """`update`, and the log-probs of each row's first forward in it ([B, T]; on-policy the
-        policy the batch was trained from). With routes on the batch (routing replay), every
-        forward of the update routes each token as recorded."""
+        policy the batch was trained from)."""
+        token_outputs: list[dict[str, Any]] = []
+        metrics = self._update(batch, tis_cap, token_outputs)
+        return metrics, gather_token_values(batch, token_outputs, "log_probs")
+
+    def _update(self, batch: RolloutBatch, tis_cap: float | None, token_outputs: list | None) -> dict[str, float]:
         if batch.advantages is None:
             raise ValueError("actor update needs advantages on the batch")
         if tis_cap is not None and (batch.old_log_probs is not None or batch.engine_log_probs is None):
@@ -294,7 +299,6 @@ class Actor(PolicyModel):
                              f"actor.mini_batch_size={self.cfg.mini_batch_size})")
         if self.cfg.kl_loss_coef > 0 and batch.ref_log_probs is None:
             raise ValueError("actor.kl_loss_coef > 0 needs ref_log_probs on the batch")
-        token_outputs: list[dict[str, Any]] = []
         taps = self.engine.router_taps
         if taps is not None:
             taps.reset_metrics()
@@ -303,7 +307,7 @@ class Actor(PolicyModel):
                                replay_routes=self.record_routes)
         if taps is not None:
             metrics.update(taps.take_metrics())
-        return metrics, gather_token_values(batch, token_outputs, "log_probs")
+        return metrics
 
     def _sft_loss_fn(self, mini: RolloutBatch, plan: MicroBatchPlan):
         agg = _agg_options(plan, "token-mean", None)

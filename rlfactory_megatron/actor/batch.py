@@ -61,6 +61,8 @@ class RolloutBatch:
             value = getattr(self, name)
             if value is not None and value.shape != (b, t):
                 raise ValueError(f"{name} must have shape {[b, t]} like input_ids, got {list(value.shape)}")
+        if self.routes is not None and (self.routes.dim() != 4 or self.routes.shape[:2] != (b, t)):
+            raise ValueError(f"routes must be [batch, tokens, layers, top-k] like input_ids, got {list(self.routes.shape)}")
         # Position 0 has no prediction and padding is never trained: enforce rather than trust.
         valid = torch.arange(t)[None, :] < self.lengths[:, None]
         self.loss_mask = self.loss_mask.float() * valid
