@@ -54,6 +54,8 @@ class RouterTaps:
         self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
         self.sequence_parallel = bool(chunks[0].config.sequence_parallel)
         self._pass: Optional[dict[str, Any]] = None
+        self._recorded: dict[tuple[int, int], torch.Tensor] = {}  # (micro-batch, layer) -> [tokens, top-k]
+        self._recorded_from: list[PackedMicroBatch] = []
         self.reset_metrics()
         for chunk in chunks:
             for module in chunk.modules():
@@ -65,7 +67,8 @@ class RouterTaps:
     def reset_metrics(self) -> None:
         # On the device: counting costs no host sync per layer.
         self.load = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64, device=compute_device())
-        self.agreement = torch.zeros(self.num_layers, 2, dtype=torch.float64, device=compute_device())  # agreeing, compared
+        # per layer: token routes on which the router agreed with the replayed ones, and compared
+        self.agreement = torch.zeros(self.num_layers, 2, dtype=torch.float64, device=compute_device())
         # Router calls that added to megatron's aux-loss tracker (recomputes too), per layer.
         self.loss_calls = torch.zeros(self.num_layers, dtype=torch.float64)
         from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
@@ -157,12 +160,9 @@ class RouterTaps:
     def recorded(self, shape: tuple[int, int]) -> torch.Tensor:
         """[B, T, layers, top-k] routes the last recording pass took, per token of the batch its
         micro-batches cut (NO_ROUTE where this rank ran no such layer or row)."""
-        micro_batches = self._recorded_from
         out = torch.full((*shape, self.num_layers, self.top_k), NO_ROUTE, dtype=torch.int32)
         layers = sorted({layer for _, layer in self._recorded})
-        for i, mb in enumerate(micro_batches):
-            if not layers:
-                break
+        for i, mb in enumerate(self._recorded_from if layers else []):
             local = torch.stack([self._recorded[(i, layer)] for layer in layers], 1).float()  # [n, layers, k]
             if self.sequence_parallel:
                 from megatron.core import parallel_state as ps
@@ -191,14 +191,17 @@ class RouterTaps:
         losses = torch.zeros(len(names), self.num_layers, dtype=torch.float64)
         for i, name in enumerate(names):
             if name in tracked:
-                losses[i] = tracked[name]["values"][: self.num_layers].detach().double().cpu() / self.loss_calls.clamp(min=1)
+                values = tracked[name]["values"][: self.num_layers].detach().double().cpu()
+                losses[i] = values / self.loss_calls.clamp(min=1)
         holders = (self.loss_calls > 0).double()[None]  # ranks whose forward ran the layer
-        stats = torch.cat([self.load.flatten().cpu(), self.agreement.flatten().cpu(), losses.flatten(), holders.flatten()])
+        stats = torch.cat([self.load.flatten().cpu(), self.agreement.flatten().cpu(), losses.flatten(),
+                           holders.flatten()])
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(stats)
         load, agreement, losses, holders = stats.split([self.load.numel(), self.agreement.numel(), losses.numel(),
                                                         self.num_layers])
-        load, agreement, losses = load.view_as(self.load), agreement.view_as(self.agreement), losses.view(len(names), -1)
+        load, agreement = load.view(self.num_layers, -1), agreement.view(self.num_layers, 2)
+        losses = losses.view(len(names), -1)
         metrics = {}
         for layer in range(self.num_layers):
             if load[layer].sum() > 0:
