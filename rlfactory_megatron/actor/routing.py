@@ -51,6 +51,9 @@ class RouterTaps:
         from megatron.core.transformer.moe.moe_layer import MoELayer
         from megatron.core.transformer.transformer_layer import TransformerLayer
 
+        if chunks[0].config.moe_router_fusion:  # Transformer-Engine's fused top-k never calls the hook
+            raise ValueError("routes are recorded and replayed by megatron's unfused router: build with "
+                             "moe_router_fusion=False")
         self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
         self.sequence_parallel = bool(chunks[0].config.sequence_parallel)
         self._pass: Optional[dict[str, Any]] = None
