@@ -67,7 +67,8 @@ def update_worker(hf_dir: str, tp: int, pp: int, overrides: dict, perturb_masked
                 "old_log_probs": old["log_probs"], "entropy": old["entropy"],
                 "optimizer": type(optimizers[0]).__name__,
                 "expert_weights": sum(".local_experts." in name for chunk in actor.engine.chunks
-                                      for name, _ in chunk.named_parameters())}
+                                      for name, _ in chunk.named_parameters()),
+                "parameters": sum(p.numel() for chunk in actor.engine.modules() for p in chunk.parameters())}
     finally:
         destroy_distributed()
 

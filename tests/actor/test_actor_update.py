@@ -57,6 +57,12 @@ def test_moe_update_with_experts_split_over_two_ranks_equals_one_rank(tiny_hf_di
     alone = run(tiny_hf_dirs["qwen3_moe"])[0]
     split = run(tiny_hf_dirs["qwen3_moe"], dp=2, ep=2)
     assert [r["expert_weights"] for r in split] == [alone["expert_weights"] // 2] * 2 == [4 * 4 * 2] * 2
+    # What the memory plan counts on a rank (experts / ep of each layer) is what megatron built there.
+    from rlfactory_megatron.models.hf_arch import load_arch
+
+    arch = load_arch(tiny_hf_dirs["qwen3_moe"])
+    assert [r["parameters"] for r in split] == [arch.parameter_count(ep=2)] * 2
+    assert alone["parameters"] == arch.parameter_count()
     assert_same_update(alone, split[0])
     for r in split:
         assert torch.allclose(r["old_log_probs"], alone["old_log_probs"], atol=1e-5)
