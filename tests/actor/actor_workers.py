@@ -430,12 +430,13 @@ def recompute_worker(hf_dir: str) -> dict:
 
 
 def routing_replay_worker(hf_dir: str, pp: int, recompute: bool, mini_batch_size: int = 3,
-                          layer_spec: str = "auto") -> dict:
+                          layer_spec: str = "auto", ep: int = 1) -> dict:
     """Routing replay (actor.moe.routing_replay=R2) at a layout: the old-log-prob pass's routes,
     then two updates from the same start over 2 mini-batches: replaying the recorded routes, and
     replaying routes no router would choose (each recorded expert + 1), which only a replay
-    keyed by micro-batch and layer applies alike at every layout."""
-    init_distributed(ParallelSizes(1, pp), seed=7)
+    keyed by micro-batch and layer applies alike at every layout. `ep`: as many data-parallel
+    ranks, each holding experts / ep."""
+    init_distributed(ParallelSizes(1, pp, ep=ep), seed=7)
     try:
         cfg = actor_config(**{"actor.moe.routing_replay": "R2", "actor.mini_batch_size": mini_batch_size,
                               "actor.max_tokens_per_microbatch": 32})

@@ -89,7 +89,7 @@ def test_moe_update_with_experts_split_over_two_ranks_equals_one_rank(tiny_hf_di
     assert 0.5 < balanced["metrics"]["moe/aux_loss"] < 4
 
 
-def test_routing_replay_replays_the_recorded_routes_at_pp2_with_recompute(tiny_hf_dirs):
+def test_routing_replay_replays_the_recorded_routes_at_pp2_with_recompute_and_ep2(tiny_hf_dirs):
     # actor.moe.routing_replay=R2: the update's forwards take the routes the old-log-prob pass took.
     # One stage with megatron's masked attention (packs of any cut give the same bits), two with
     # THD attention (local_sdpa; the default on CPU and the path of Transformer-Engine's).
@@ -116,10 +116,15 @@ def test_routing_replay_replays_the_recorded_routes_at_pp2_with_recompute(tiny_h
     # micro-batch's own routes: the same log-probs and update as one stage (a replay that took the
     # routes of the micro-batch run last, not the one recomputed, was 1.5e-2 off here).
     two = spawn_local_workers(actor_workers.routing_replay_worker, 2, tiny_hf_dirs["qwen3_moe"], 2, True)[0]
-    for name in ("recorded", "shifted"):
-        assert torch.allclose(two[name]["update_log_probs"], one[name]["update_log_probs"], atol=1e-5), name
-        for key in ("actor/pg_loss", "actor/grad_norm", "moe/routing_agreement"):
-            assert two[name]["metrics"][key] == pytest.approx(one[name]["metrics"][key], abs=1e-5), (name, key)
+    # So do 2 data-parallel ranks holding 4 experts each (every rank gets every row's routes).
+    split = spawn_local_workers(actor_workers.routing_replay_worker, 2, tiny_hf_dirs["qwen3_moe"], 1, False, 3,
+                                "auto", 2)
+    for other in (two, *split):
+        for name in ("recorded", "shifted"):
+            assert torch.equal(other[name]["routes"], one[name]["routes"]), name
+            assert torch.allclose(other[name]["update_log_probs"], one[name]["update_log_probs"], atol=1e-5), name
+            for key in ("actor/pg_loss", "actor/grad_norm", "moe/routing_agreement"):
+                assert other[name]["metrics"][key] == pytest.approx(one[name]["metrics"][key], abs=1e-5), (name, key)
 
 
 @pytest.mark.parametrize("mini_batch_size", [6, 3, 1])
