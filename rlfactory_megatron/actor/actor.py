@@ -18,6 +18,7 @@ import torch.distributed as dist
 from rlfactory_megatron.actor.batch import (MicroBatchPlan, PackedMicroBatch, RolloutBatch, local_cuts, pack_plan,
                                             plan_micro_batches)
 from rlfactory_megatron.actor.engine import MegatronEngine
+from rlfactory_megatron.actor.routing import RoutePass
 from rlfactory_megatron.algorithms import clipped_value_loss, compute_policy_loss, kl_penalty
 from rlfactory_megatron.algorithms.aggregation import aggregate_loss
 from rlfactory_megatron.algorithms.rollout_correction import rollout_correction
@@ -97,6 +98,18 @@ def _slice(tensor: torch.Tensor, rows: list[int], width: int, device: torch.devi
     return tensor[rows, :width].to(device, non_blocking=True)
 
 
+def gather_routes(batch: RolloutBatch, recorded: torch.Tensor) -> torch.Tensor:
+    """[B, T, layers, top-k] routes of the batch's tokens from every rank's share (its stage's
+    layers, its DP rank's rows): the one rank that ran a layer for a row holds them, others NO_ROUTE."""
+    ps = _parallel()
+    groups = [ps.get_pipeline_model_parallel_group()] if ps.get_pipeline_model_parallel_world_size() > 1 else []
+    if not batch.dp_local and ps.get_data_parallel_world_size() > 1:
+        groups.append(ps.get_data_parallel_group())
+    for group in groups:
+        dist.all_reduce(recorded, op=dist.ReduceOp.MAX, group=group)
+    return recorded.to(torch.int16)  # experts < 2**15; a quarter of int64's host memory
+
+
 def gather_token_values(batch: RolloutBatch, outputs: list[dict[str, Any]], key: str) -> torch.Tensor:
     """[B, T] tensor from the per-micro-batch outputs, on every rank that holds the batch (each
     row computed by one DP rank: its DP rank alone holds a DP-local batch's rows)."""
@@ -107,13 +120,16 @@ def gather_token_values(batch: RolloutBatch, outputs: list[dict[str, Any]], key:
     return _from_last_stages(result, over_dp=not batch.dp_local) * (batch.loss_mask > 0)
 
 
-def mini_batches(batch: RolloutBatch, size: int) -> list[RolloutBatch]:
-    """Consecutive `size` rows of the step's batch; of a DP-local batch, this rank's rows of each
-    (possibly none: every DP rank takes part in every optimizer step)."""
+def mini_batches(batch: RolloutBatch, size: int) -> list[tuple[list[int], RolloutBatch]]:
+    """Consecutive `size` rows of the step's batch (their indices in `batch`, and them); of a
+    DP-local batch, this rank's rows of each (possibly none: every DP rank takes part in every
+    optimizer step)."""
     if batch.dp_local:
-        return [batch.select(torch.nonzero((batch.step_rows >= i) & (batch.step_rows < i + size)).flatten())
+        rows = [torch.nonzero((batch.step_rows >= i) & (batch.step_rows < i + size)).flatten().tolist()
                 for i in range(0, batch.step_size, size)]
-    return [batch.select(list(range(i, min(i + size, batch.batch_size)))) for i in range(0, batch.batch_size, size)]
+    else:
+        rows = [list(range(i, min(i + size, batch.batch_size))) for i in range(0, batch.batch_size, size)]
+    return [(part, batch.select(part)) for part in rows]
 
 
 def policy_loss_options(actor_cfg) -> dict[str, float]:
@@ -148,6 +164,7 @@ class PolicyModel:
         self.max_tokens = max_tokens
         self.fused_logprob = fused_logprob
         self.temperature = temperature
+        self.record_routes = False  # the actor's under routing replay (actor.moe.routing_replay)
         build = replace(build, output_hidden_states=fused_logprob)
         self.engine = MegatronEngine(arch, hf_dir, build, optim_cfg, total_steps)
 
@@ -178,15 +195,21 @@ class PolicyModel:
         return out
 
     def compute_log_probs(self, batch: RolloutBatch, with_entropy: bool = False) -> dict[str, torch.Tensor]:
+        """Per-token log-probs (+ entropy) [B, T]; with `record_routes`, also the routes the
+        tokens took ("routes", [B, T, layers, top-k]) for the update to replay."""
         plan = _plan(batch, self.max_tokens)
 
         def loss_fn(mb: PackedMicroBatch, output: torch.Tensor):
             out = self._token_outputs(mb, output, with_entropy)
             return torch.zeros(()), {"rows": mb.rows, **out}
 
-        outputs = self.engine.run(plan, loss_fn, forward_only=True)
+        record = self.record_routes and self.engine.router_taps is not None
+        outputs = self.engine.run(plan, loss_fn, forward_only=True, routes=RoutePass(record=True) if record else None)
         keys = ["log_probs"] + (["entropy"] if with_entropy else [])
-        return {key: gather_token_values(batch, outputs, key) for key in keys}
+        result = {key: gather_token_values(batch, outputs, key) for key in keys}
+        if record:
+            result["routes"] = gather_routes(batch, self.engine.router_taps.recorded(tuple(batch.input_ids.shape)))
+        return result
 
 
 class Actor(PolicyModel):
@@ -198,6 +221,8 @@ class Actor(PolicyModel):
                          fused_logprob=actor_cfg.use_fused_logprob, temperature=temperature)
         self.cfg = actor_cfg
         self.norm_length = norm_length
+        # R2: the old-log-prob pass records the routes and the update's forwards replay them.
+        self.record_routes = actor_cfg.moe.routing_replay == "R2"
 
     def _loss_fn(self, mini: RolloutBatch, plan: MicroBatchPlan, tis_cap: float | None = None):
         cfg = self.cfg
@@ -223,8 +248,7 @@ class Actor(PolicyModel):
                                          mask, agg_mode=cfg.loss_agg_mode, **clip, **agg)
             loss = policy.loss
             metrics = {f"actor/{k}": v for k, v in policy.metrics.items()}
-            if on_policy:
-                metrics["log_probs"] = old_log_probs  # per token: the policy the batch is trained from
+            metrics["log_probs"] = out["log_probs"].detach()  # per token, for update_with_log_probs
             metrics["actor/pg_loss"] = policy.loss.detach()
             if cfg.kl_loss_coef > 0:
                 kl = kl_penalty(cfg.kl_penalty, out["log_probs"], take(mini.ref_log_probs), mask)
@@ -251,13 +275,19 @@ class Actor(PolicyModel):
         """One PPO update; returns averaged metrics (same on every rank). `tis_cap`: an on-policy
         update (no old_log_probs, see updates_on_policy) weights each token's advantage by the
         truncated IS ratio of its own forward's log-probs to batch.engine_log_probs, the
-        correction a separate log-prob pass would give, without the pass."""
-        return self.update_with_log_probs(batch, tis_cap)[0]
+        correction a separate log-prob pass would give, without the pass. With routes on the
+        batch (routing replay), every forward of the update routes each token as recorded."""
+        return self._update(batch, tis_cap, token_outputs=None)
 
     def update_with_log_probs(self, batch: RolloutBatch,
-                              tis_cap: float | None = None) -> tuple[dict[str, float], torch.Tensor | None]:
-        """`update`, and on-policy the log-probs its forward pass took ([B, T]: the policy the
-        batch was trained from); None with old_log_probs on the batch."""
+                              tis_cap: float | None = None) -> tuple[dict[str, float], torch.Tensor]:
+        """`update`, and the log-probs of each row's first forward in it ([B, T]; on-policy the
+        policy the batch was trained from)."""
+        token_outputs: list[dict[str, Any]] = []
+        metrics = self._update(batch, tis_cap, token_outputs)
+        return metrics, gather_token_values(batch, token_outputs, "log_probs")
+
+    def _update(self, batch: RolloutBatch, tis_cap: float | None, token_outputs: list | None) -> dict[str, float]:
         if batch.advantages is None:
             raise ValueError("actor update needs advantages on the batch")
         if tis_cap is not None and (batch.old_log_probs is not None or batch.engine_log_probs is None):
@@ -269,12 +299,15 @@ class Actor(PolicyModel):
                              f"actor.mini_batch_size={self.cfg.mini_batch_size})")
         if self.cfg.kl_loss_coef > 0 and batch.ref_log_probs is None:
             raise ValueError("actor.kl_loss_coef > 0 needs ref_log_probs on the batch")
-        token_outputs: list[dict[str, Any]] = []
+        taps = self.engine.router_taps
+        if taps is not None:
+            taps.reset_metrics()
         metrics = _run_updates(self.engine, batch, self.cfg.ppo_epochs, self.cfg.mini_batch_size, self.max_tokens,
-                               partial(self._loss_fn, tis_cap=tis_cap), prefix="actor", token_outputs=token_outputs)
-        # One mini-batch of every row, in the batch's order (on-policy): its row indices are the batch's.
-        log_probs = gather_token_values(batch, token_outputs, "log_probs") if batch.old_log_probs is None else None
-        return metrics, log_probs
+                               partial(self._loss_fn, tis_cap=tis_cap), prefix="actor", token_outputs=token_outputs,
+                               replay_routes=self.record_routes)
+        if taps is not None:
+            metrics.update(taps.take_metrics())
+        return metrics
 
     def _sft_loss_fn(self, mini: RolloutBatch, plan: MicroBatchPlan):
         agg = _agg_options(plan, "token-mean", None)
@@ -354,7 +387,8 @@ _SHARE_METRICS = ("pg_loss", "kl_loss", "entropy", "vf_loss", "sft/loss")
 
 
 def _run_updates(engine: MegatronEngine, batch: RolloutBatch, epochs: int, mini_size: int, max_tokens: int,
-                 make_loss_fn, prefix: str, token_outputs: list | None = None) -> dict[str, float]:
+                 make_loss_fn, prefix: str, token_outputs: list | None = None,
+                 replay_routes: bool = False) -> dict[str, float]:
     """Optimizer steps over `epochs` x mini-batches; returns the metrics averaged over tokens
     (loss-like ones over steps). Per-token outputs of the loss (tensors [rows, T]) go to
     `token_outputs`, one {"rows", name: values} per micro-batch."""
@@ -364,12 +398,14 @@ def _run_updates(engine: MegatronEngine, batch: RolloutBatch, epochs: int, mini_
     real = computed = 0  # this rank's sequence tokens and packed positions (padding included) run
     updates = skipped = 0
     start = time.perf_counter()
-    for _ in range(epochs):
-        for mini in mini_batches(batch, mini_size):
+    for epoch in range(epochs):
+        for batch_rows, mini in mini_batches(batch, mini_size):
             plan = _plan(mini, max_tokens)
             real += sum(int(mini.lengths[r]) for mb in plan.micro_batches for r in mb.rows)
             computed += len(plan.micro_batches) * plan.padded_length
-            step = engine.train_step(plan, make_loss_fn(mini, plan))
+            # Routes on the batch (routing replay): each token takes them in every forward.
+            routes = RoutePass(replay=mini.routes) if replay_routes and mini.routes is not None else None
+            step = engine.train_step(plan, make_loss_fn(mini, plan), routes)
             updates += 1
             if step["skipped"]:
                 skipped += 1
@@ -382,8 +418,8 @@ def _run_updates(engine: MegatronEngine, batch: RolloutBatch, epochs: int, mini_
                 tokens += weight
                 for key, value in out.items():
                     if isinstance(value, torch.Tensor) and value.dim() == 2:
-                        if token_outputs is not None:
-                            token_outputs.append({"rows": out["rows"], key: value})
+                        if token_outputs is not None and epoch == 0:  # each row's first forward
+                            token_outputs.append({"rows": [batch_rows[r] for r in out["rows"]], key: value})
                     elif key not in ("rows", "tokens"):
                         shared = key.endswith(_SHARE_METRICS)
                         sums[key] = sums.get(key, 0.0) + float(value) * (1.0 if shared else weight)

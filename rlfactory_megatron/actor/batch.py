@@ -38,6 +38,9 @@ class RolloutBatch:
     advantages: Optional[torch.Tensor] = None
     returns: Optional[torch.Tensor] = None
     engine_log_probs: Optional[torch.Tensor] = None  # the rollout engines' (for a correction inside the update)
+    # [B, T, layers, top-k] int16: the experts each token took in each MoE layer, where its
+    # log-prob was computed (routing replay; actor/routing.py); -1 where none was recorded.
+    routes: Optional[torch.Tensor] = None
     # A DP-local batch holds only the rows one DP rank trains on: `step_rows` [B] is each row's
     # index in the step's whole batch of `step_size` rows (it may hold none of them).
     step_rows: Optional[torch.Tensor] = None
@@ -58,6 +61,8 @@ class RolloutBatch:
             value = getattr(self, name)
             if value is not None and value.shape != (b, t):
                 raise ValueError(f"{name} must have shape {[b, t]} like input_ids, got {list(value.shape)}")
+        if self.routes is not None and (self.routes.dim() != 4 or self.routes.shape[:2] != (b, t)):
+            raise ValueError(f"routes must be [batch, tokens, layers, top-k] like input_ids, got {list(self.routes.shape)}")
         # Position 0 has no prediction and padding is never trained: enforce rather than trust.
         valid = torch.arange(t)[None, :] < self.lengths[:, None]
         self.loss_mask = self.loss_mask.float() * valid
@@ -84,7 +89,7 @@ class RolloutBatch:
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor):
                 value = value[rows]
-                if f.name == "input_ids" or f.name in TOKEN_FIELDS:
+                if f.name in ("input_ids", "routes") or f.name in TOKEN_FIELDS:
                     value = value[:, :width]
             updates[f.name] = value
         return replace(self, **updates)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from rlfactory_megatron.actor.batch import MicroBatchPlan, PackedMicroBatch
 from rlfactory_megatron.actor.offload import KINDS, HostOffload, megatron_state
+from rlfactory_megatron.actor.routing import RoutePass, RouterTaps
 from rlfactory_megatron.models.builder import BuildOptions, build_model_chunks, resolve_layer_spec
 from rlfactory_megatron.models.conversion import iter_hf_tensors, load_hf_weights
 from rlfactory_megatron.models.hf_arch import ModelArch
@@ -43,6 +44,9 @@ class MegatronEngine:
         chunks = build_model_chunks(arch, build)
         if hf_dir is not None:
             load_hf_weights(chunks, arch, hf_dir)
+        # A MoE model's routes: recorded, replayed and counted per micro-batch (actor/routing.py).
+        self.router_taps = (RouterTaps(chunks, arch.num_layers, arch.moe.num_experts, arch.moe.top_k)
+                            if arch.moe is not None else None)
         self.optimizer = self.scheduler = None
         # Offloaded state comes back at the first use that needs it (run, train_step, modules,
         # sharded_state_dict), so no path can read a tensor that is away.
@@ -73,8 +77,10 @@ class MegatronEngine:
         self.scheduler = _build_scheduler(self.optimizer, optim_cfg, total_steps)
 
     # ------------------------------------------------------------------ running micro-batches
-    def run(self, plan: MicroBatchPlan, loss_fn: MicroLossFn, forward_only: bool) -> list[dict[str, Any]]:
-        """All micro-batches of `plan` through the pipeline; returns metrics (last stage only)."""
+    def run(self, plan: MicroBatchPlan, loss_fn: MicroLossFn, forward_only: bool,
+            routes: RoutePass | None = None) -> list[dict[str, Any]]:
+        """All micro-batches of `plan` through the pipeline; returns metrics (last stage only).
+        `routes`: a MoE model records or replays its routes (actor/routing.py)."""
         self.host.onload(("params",) if forward_only else KINDS)
         device = compute_device()
         context = _context_parallel_group()
@@ -84,12 +90,14 @@ class MegatronEngine:
         def adapt(batch, output):
             return loss_fn(batch["packed"], output)
 
+        routing = (self.router_taps.pass_over(batches, routes) if self.router_taps is not None
+                   else contextlib.nullcontext())
         context = torch.no_grad() if forward_only else contextlib.nullcontext()
-        with context:
+        with context, routing:
             return forward_backward(self.chunks, batches, adapt, forward_only=forward_only,
                                     seq_length=plan.padded_length, micro_batch_size=1)
 
-    def train_step(self, plan: MicroBatchPlan, loss_fn: MicroLossFn) -> dict[str, Any]:
+    def train_step(self, plan: MicroBatchPlan, loss_fn: MicroLossFn, routes: RoutePass | None = None) -> dict[str, Any]:
         """Forward+backward over one mini-batch, gradient all-reduce, clip, optimizer and LR step."""
         if not self.trainable:
             raise RuntimeError("train_step on a frozen model (built without an optimizer config)")
@@ -98,7 +106,7 @@ class MegatronEngine:
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = self.run(plan, loss_fn, forward_only=False)
+        outputs = self.run(plan, loss_fn, forward_only=False, routes=routes)
         if not self._finite_everywhere(outputs, gradients=not self.chunks[0].config.fp16):
             # One NaN reward or overflow would otherwise go into Adam's moments and every weight:
             # nothing of this mini-batch is applied, and the LR schedule does not advance.

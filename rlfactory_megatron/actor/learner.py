@@ -79,7 +79,7 @@ class Learner:
         # On-policy, the update's own forward gives them; a correction needs them before the update.
         if (correction and not tis_in_update) or not on_policy:
             old = self.actor.compute_log_probs(batch, with_entropy=True)
-            batch = batch.with_fields(old_log_probs=old["log_probs"])
+            batch = batch.with_fields(old_log_probs=old["log_probs"], routes=old.get("routes"))
         if self.reference is not None:
             batch = batch.with_fields(ref_log_probs=self.reference.compute_log_probs(batch)["log_probs"])
         if self.critic is not None:

@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         launch = detect_launch_env()
         # Before the config is loaded: checking it imports torch. Started by hand, this process
-        # is the one rank (revised below for the ranks it spawns when tp*pp*cp > 1).
+        # is the one rank (revised below for the ranks it spawns: ParallelSizes.smallest_world).
         chosen = choose_threads(launch.local_world_size if launch.launcher != "single" else 1)
         # A plan is for the GPUs the job will run on: on a machine without one (a login node),
         # `auto` is resolved as a GPU node with the GPU stack resolves it.
@@ -100,16 +100,16 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from rlfactory_megatron.runtime.distributed import ParallelSizes, run_as_job
 
-        model_ranks = ParallelSizes.of(cfg.parallel).model_ranks  # the ranks started by hand
-        if chosen and launch.launcher == "single" and model_ranks > 1:
-            chosen = choose_threads(model_ranks, chosen_before=True)  # fresh processes read it
+        hand_started = ParallelSizes.of(cfg.parallel).smallest_world  # the ranks started by hand
+        if chosen and launch.launcher == "single" and hand_started > 1:
+            chosen = choose_threads(hand_started, chosen_before=True)  # fresh processes read it
         if chosen and launch.local_rank == 0:
             print(f"rlf-train: {chosen}")
         from rlfactory_megatron.trainer.model_path import resolve_model_path
 
         hf_dir = resolve_model_path(cfg.model.path)
         arch = load_arch(hf_dir)
-        world = launch.world_size if launch.launcher != "single" else model_ranks
+        world = launch.world_size if launch.launcher != "single" else hand_started
         if args.world_size is not None:
             if not args.plan or args.world_size < 1:
                 raise ConfigError(f"--world-size {args.world_size}: give --plan a job size >= 1 to plan for")
@@ -134,13 +134,14 @@ def main(argv: list[str] | None = None) -> int:
         if launch.rank == 0:
             (output / "config.yaml").write_text(config_yaml)
             print(f"rlf-train: {cfg.trainer.algorithm} on {arch.model_type} ({arch.num_layers} layers) from {hf_dir}; "
-                  f"tp={cfg.parallel.tp} pp={cfg.parallel.pp}{f' cp={cfg.parallel.cp}' if cfg.parallel.cp > 1 else ''} "
+                  f"tp={cfg.parallel.tp} pp={cfg.parallel.pp}{f' cp={cfg.parallel.cp}' if cfg.parallel.cp > 1 else ''}"
+                  f"{f' ep={cfg.parallel.ep}' if cfg.parallel.ep > 1 else ''} "
                   f"on {world} rank(s); outputs in {output.resolve()}")
             print(plan.summary())
             print(f"rlf-train: {prompts}")
             if not verbose:
                 print(f"rlf-train: library output goes to {output / 'logs'} (--verbose shows it here)")
-        results = run_as_job(_train_rank, model_ranks, config_yaml, str(hf_dir), verbose)
+        results = run_as_job(_train_rank, hand_started, config_yaml, str(hf_dir), verbose)
     except (ConfigError, UnsupportedCheckpointError, ValueError) as exc:
         print(f"rlf-train: error: {exc}", file=sys.stderr)
         return 2

@@ -17,6 +17,7 @@ CHOICES: dict[str, tuple] = {
     "model.layer_spec": ("auto", "local_sdpa", "local", "transformer_engine"),
     "model.moe.load_balancing": ("none", "aux_loss", "seq_aux_loss"),
     "model.moe.router_dtype": ("fp32", "fp64"),
+    "actor.moe.routing_replay": ("none", "R2"),  # R3 (the engine's routes) comes with the engine side
     "actor.optim.lr_decay_style": ("constant", "linear", "cosine"),
     "critic.optim.lr_decay_style": ("constant", "linear", "cosine"),
     "trainer.sft_lr_decay_style": ("constant", "linear", "cosine"),
@@ -399,6 +400,10 @@ def _check_expert_layout(cfg, arch, world_size: int) -> None:
             if moe[key] != default:
                 raise ConfigError(f"model.moe.{key}={moe[key]} acts on a mixture-of-experts model's router; model "
                                   f"'{arch.model_type}' is dense: leave model.moe out")
+    replay = OmegaConf.select(cfg, "actor.moe.routing_replay", default="none")
+    if arch.moe is None and replay != "none":
+        raise ConfigError(f"actor.moe.routing_replay={replay} replays a mixture-of-experts model's routes; model "
+                          f"'{arch.model_type}' is dense: set actor.moe.routing_replay=none")
     if arch.moe is not None and arch.moe.num_experts % ep:
         raise ConfigError(f"parallel.ep={ep} does not divide the model's {arch.moe.num_experts} experts; "
                           f"use one of {_divisors(arch.moe.num_experts)}")

@@ -83,6 +83,14 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
+class ActorMoEConfig:
+    # none | R2: the old-log-prob pass records the routes each token takes in each MoE layer and
+    # every forward of the update replays them, so the PPO ratio compares one expert choice
+    # (docs/moe.md). R3 (the engine's routes) is not built yet.
+    routing_replay: str = "none"
+
+
+@dataclass
 class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     ppo_epochs: int = 1  # passes over each step's trajectories
@@ -98,6 +106,7 @@ class ActorConfig:
     kl_penalty: str = "low-var-kl"  # k1 | k2 | k3 | low-var-kl
     use_fused_logprob: bool = True  # log-probs/entropy from hidden states by the fused vocab-parallel kernel (no full logits)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    moe: ActorMoEConfig = field(default_factory=ActorMoEConfig)  # a mixture-of-experts actor's routes
     # Colocated engines: the actor's parameters, gradients and optimizer states, and the frozen
     # reference's parameters, wait in host memory while the engines generate (back on the device
     # when training needs them; the parameters after the weight sync)

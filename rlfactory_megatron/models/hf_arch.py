@@ -80,14 +80,13 @@ class ModelArch:
         if self.moe is None:
             mlp = 3 * self.ffn_hidden_size * h // tp  # SwiGLU: gate, up, down
         else:
-            mlp = (self.moe.num_experts * h  # router
-                   + self.moe.num_experts // ep * 3 * self.moe.expert_ffn_hidden_size * h // tp)
+            mlp = self.moe.num_experts * h  # router; the experts are counted below
         layer = (2 * h  # the attention's and the MLP's RMSNorm
                  + (qkv * h + (qkv if self.features.qkv_bias else 0)) // tp
                  + (2 * hd if self.features.qk_norm else 0)  # q/k RMSNorm over head_dim, replicated
                  + self.num_heads * hd * h // tp  # output projection
                  + mlp)
-        count = self.num_layers // pp * layer
+        count = self.num_layers // pp * layer + self.expert_parameter_count(tp, pp, ep)
         vocab = self.padded_vocab_size(tp) // tp * h
         if stage == 0:
             count += vocab
@@ -98,6 +97,14 @@ class ModelArch:
             elif not self.tie_word_embeddings or pp > 1:
                 count += vocab
         return count
+
+    def expert_parameter_count(self, tp: int = 1, pp: int = 1, ep: int = 1) -> int:
+        """Expert parameters on one rank (part of parameter_count): its experts / ep of each MoE
+        layer of its stage, each split over TP; 0 for a dense model."""
+        if self.moe is None:
+            return 0
+        return self.num_layers // pp * (self.moe.num_experts // ep * 3 * self.moe.expert_ffn_hidden_size
+                                         * self.hidden_size // tp)
 
     def kv_cache_bytes_per_token(self, element_size: int, tp: int = 1) -> int:
         """Keys and values of one token in every layer, on one of `tp` devices (KV heads are

@@ -5,6 +5,7 @@ run outside a launcher (`rlf-convert`, tests).
 """
 from __future__ import annotations
 
+import math
 import os
 import random
 import signal
@@ -40,6 +41,12 @@ class ParallelSizes:
     def model_ranks(self) -> int:
         """Ranks that hold one copy of the model between them (tp x pp x cp): the world is a multiple."""
         return self.tp * self.pp * self.cp
+
+    @property
+    def smallest_world(self) -> int:
+        """The fewest ranks holding the model and its expert layout (tp x ep x pp ranks per expert
+        group, expert parallelism within data parallelism): the ranks rlf-train starts by hand."""
+        return math.lcm(self.model_ranks, self.tp * self.ep * self.pp)
 
     def dp(self, world_size: int) -> int:
         return world_size // self.model_ranks

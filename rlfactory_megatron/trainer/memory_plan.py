@@ -141,16 +141,18 @@ def _stage_plan(cfg, arch, world: int, stage: int, device_bytes: float | None, s
     from rlfactory_megatron.runtime.distributed import ParallelSizes
     from rlfactory_megatron.trainer.presets import trains_critic
 
-    tp, pp, cp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp
+    tp, pp, cp, ep = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp, cfg.parallel.ep
     dp = max(1, ParallelSizes.of(cfg.parallel).dp(world))
     element = ELEMENT_SIZE[cfg.model.params_dtype]
     dtype = cfg.model.params_dtype
     colocated = cfg.rollout.mode == "colocated"
-    params = arch.parameter_count(tp, pp, stage)
-    # CP ranks hold whole copies of their stage's weights; the distributed optimizer shards over dp x cp.
-    actor = _model_state("actor", cfg.actor.optim, params, element, dtype, dp * cp)
-    critic = (_model_state("critic", cfg.critic.optim, arch.parameter_count(tp, pp, stage, value_head=True), element,
-                           dtype, dp * cp) if trains_critic(cfg) else [])
+    params = arch.parameter_count(tp, pp, stage, ep=ep)  # a rank holds experts / ep of each MoE layer
+    # CP ranks hold whole copies of their stage's weights; the distributed optimizer shards over dp x cp,
+    # and an expert's state over the ranks holding that expert (dp x cp / ep).
+    shards = (dp * cp, max(1, dp * cp // ep), arch.expert_parameter_count(tp, pp, ep))
+    actor = _model_state("actor", cfg.actor.optim, params, element, dtype, *shards)
+    critic = (_model_state("critic", cfg.critic.optim, arch.parameter_count(tp, pp, stage, value_head=True, ep=ep),
+                           element, dtype, *shards) if trains_critic(cfg) else [])
     reference = ([Term(f"reference weights ({dtype})", params * element, ("actor.kl_loss_coef=0", LAYOUT_KEYS))]
                  if cfg.actor.kl_loss_coef > 0 else [])
     runtime = Term("CUDA/NCCL runtime (allowance)", RUNTIME_ALLOWANCE)
@@ -172,7 +174,8 @@ def _stage_plan(cfg, arch, world: int, stage: int, device_bytes: float | None, s
     engine, refusal = _engine(cfg, arch, engine_weights, element, device_bytes)
     holds = f"pipeline stage {stage + 1} of {pp} holds" if pp > 1 else "each rank holds"
     layout = (f"{arch.model_type} ({arch.num_layers} layers, {engine_params / 1e9:.2f}B parameters); tp={tp} pp={pp} "
-              f"{f'cp={cp} ' if cp > 1 else ''}dp={dp} ({world} ranks); {holds} {params / 1e9:.2f}B")
+              f"{f'cp={cp} ' if cp > 1 else ''}{f'ep={ep} ' if ep > 1 else ''}dp={dp} ({world} ranks); {holds} "
+              f"{params / 1e9:.2f}B")
     return MemoryPlan({"training": training, "generation": [*resident, runtime], "weight sync": sync}, device_bytes,
                       source, layout, engine, cfg.rollout.gpu_memory_utilization if colocated else 0.0, refusal)
 
@@ -180,9 +183,11 @@ def _stage_plan(cfg, arch, world: int, stage: int, device_bytes: float | None, s
 LAYOUT_KEYS = "a larger parallel.tp or parallel.pp"
 
 
-def _model_state(who: str, optim, params: int, element: int, dtype: str, shards: int) -> list[Term]:
+def _model_state(who: str, optim, params: int, element: int, dtype: str, shards: int, expert_shards: int = 1,
+                 experts: int = 0) -> list[Term]:
     """Weights, fp32 gradients and optimizer states of a trained model on one device, with `shards`
-    ranks holding the same weights (data and context parallel)."""
+    ranks holding the same weights (data and context parallel); of its `params`, `experts` are held
+    by `expert_shards` ranks each (expert data parallel)."""
     # fp32 main parameters when the weights are 16-bit, and Adam's two moments; the distributed
     # optimizer shards them over those ranks (gradients and weights stay whole).
     per_param = (4 if element < 4 else 0) + 8
@@ -190,9 +195,11 @@ def _model_state(who: str, optim, params: int, element: int, dtype: str, shards:
     distribute = (f"{who}.optim.use_distributed_optimizer=true",) if shards > 1 and not sharded else ()
     what = ("fp32 main params + Adam moments" if element < 4 else "Adam moments") + (
         f", 1/{shards} each" if sharded else "")
+    optimizer = ((params - experts) * per_param / shards + experts * per_param / expert_shards if sharded
+                 else params * per_param)
     return [Term(f"{who} weights ({dtype})", params * element, (LAYOUT_KEYS,)),
             Term(f"{who} gradients (fp32)", params * 4, (LAYOUT_KEYS,)),
-            Term(f"{who} optimizer ({what})", params * per_param / (shards if sharded else 1), (*distribute, LAYOUT_KEYS))]
+            Term(f"{who} optimizer ({what})", optimizer, (*distribute, LAYOUT_KEYS))]
 
 
 def _lowered_by(terms: list[Term], keys: tuple[str, ...]) -> list[Term]:

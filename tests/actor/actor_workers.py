@@ -67,7 +67,8 @@ def update_worker(hf_dir: str, tp: int, pp: int, overrides: dict, perturb_masked
                 "old_log_probs": old["log_probs"], "entropy": old["entropy"],
                 "optimizer": type(optimizers[0]).__name__,
                 "expert_weights": sum(".local_experts." in name for chunk in actor.engine.chunks
-                                      for name, _ in chunk.named_parameters())}
+                                      for name, _ in chunk.named_parameters()),
+                "parameters": sum(p.numel() for chunk in actor.engine.modules() for p in chunk.parameters())}
     finally:
         destroy_distributed()
 
@@ -423,6 +424,36 @@ def recompute_worker(hf_dir: str) -> dict:
             metrics = actor.update(batch.with_fields(old_log_probs=old - 0.05))
             out[recompute] = {"grad_norm": metrics["actor/grad_norm"], "pg_loss": metrics["actor/pg_loss"],
                               "weights": {k: v.clone() for k, v in actor.engine.iter_hf_weights()}}
+        return out
+    finally:
+        destroy_distributed()
+
+
+def routing_replay_worker(hf_dir: str, pp: int, recompute: bool, mini_batch_size: int = 3,
+                          layer_spec: str = "auto", ep: int = 1) -> dict:
+    """Routing replay (actor.moe.routing_replay=R2) at a layout: the old-log-prob pass's routes,
+    then two updates from the same start over 2 mini-batches: replaying the recorded routes, and
+    replaying routes no router would choose (each recorded expert + 1), which only a replay
+    keyed by micro-batch and layer applies alike at every layout. `ep`: as many data-parallel
+    ranks, each holding experts / ep."""
+    init_distributed(ParallelSizes(1, pp, ep=ep), seed=7)
+    try:
+        cfg = actor_config(**{"actor.moe.routing_replay": "R2", "actor.mini_batch_size": mini_batch_size,
+                              "actor.max_tokens_per_microbatch": 32})
+        arch = load_arch(hf_dir)
+        build = BuildOptions(layer_spec=layer_spec, recompute_activations=recompute, moe=MoEOptions(**cfg.model.moe))
+        out = {}
+        for name in ("recorded", "shifted"):
+            actor = Actor(cfg.actor, arch, hf_dir, build, total_steps=10)
+            batch = make_batch(arch.vocab_size)
+            old = actor.compute_log_probs(batch)
+            routes = old["routes"]
+            if name == "shifted":
+                routes = torch.where(routes >= 0, (routes + 1) % arch.moe.num_experts, routes)
+            batch = batch.with_fields(old_log_probs=old["log_probs"], ref_log_probs=old["log_probs"], routes=routes)
+            metrics, first_forward = actor.update_with_log_probs(batch)
+            out[name] = {"metrics": metrics, "update_log_probs": first_forward, "old_log_probs": old["log_probs"],
+                         "routes": old["routes"]}
         return out
     finally:
         destroy_distributed()

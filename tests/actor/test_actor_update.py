@@ -54,6 +54,12 @@ def test_moe_update_with_experts_split_over_two_ranks_equals_one_rank(tiny_hf_di
     alone = run(tiny_hf_dirs["qwen3_moe"])[0]
     split = run(tiny_hf_dirs["qwen3_moe"], dp=2, ep=2)
     assert [r["expert_weights"] for r in split] == [alone["expert_weights"] // 2] * 2 == [4 * 4 * 2] * 2
+    # What the memory plan counts on a rank (experts / ep of each layer) is what megatron built there.
+    from rlfactory_megatron.models.hf_arch import load_arch
+
+    arch = load_arch(tiny_hf_dirs["qwen3_moe"])
+    assert [r["parameters"] for r in split] == [arch.parameter_count(ep=2)] * 2
+    assert alone["parameters"] == arch.parameter_count()
     assert_same_update(alone, split[0])
     for r in split:
         assert torch.allclose(r["old_log_probs"], alone["old_log_probs"], atol=1e-5)
@@ -63,13 +69,59 @@ def test_moe_update_with_experts_split_over_two_ranks_equals_one_rank(tiny_hf_di
     from rlfactory_megatron.models.hf_checkpoint import iter_safetensors
 
     keys = {"model.moe.freeze_router": True, "model.moe.load_balancing": "aux_loss", "model.moe.aux_loss_coeff": 0.1}
-    frozen = run(tiny_hf_dirs["qwen3_moe"], overrides=keys)[0]["weights"]
+    balanced = run(tiny_hf_dirs["qwen3_moe"], overrides=keys)[0]
+    frozen = balanced["weights"]
     before = dict(iter_safetensors(tiny_hf_dirs["qwen3_moe"]))
     routers = [name for name in before if name.endswith("mlp.gate.weight")]
     assert len(routers) == 4 and all(torch.equal(frozen[name], before[name]) for name in routers)
     assert not all(torch.equal(alone["weights"][name], before[name]) for name in routers)
     expert = "model.layers.0.mlp.experts.0.down_proj.weight"
     assert not torch.equal(frozen[expert], before[expert]) and not torch.equal(frozen[expert], alone["weights"][expert])
+    # The update's MoE metrics: each layer's expert load (max / mean tokens per expert, the same
+    # at ep 2), the balancing loss where there is one (~1 for a router spreading tokens evenly).
+    for layer in range(4):
+        key = f"moe/load_imbalance/layer{layer}"
+        assert alone["metrics"][key] > 1 and split[0]["metrics"][key] == pytest.approx(alone["metrics"][key])
+    assert "moe/aux_loss" not in alone["metrics"] and "moe/routing_agreement" not in alone["metrics"]
+    assert 0.5 < balanced["metrics"]["moe/aux_loss"] < 4
+
+
+def test_routing_replay_replays_the_recorded_routes_at_pp2_with_recompute_and_ep2(tiny_hf_dirs):
+    # actor.moe.routing_replay=R2: the update's forwards take the routes the old-log-prob pass took.
+    # One stage with megatron's masked attention (packs of any cut give the same bits), two with
+    # THD attention (local_sdpa; the default on CPU and the path of Transformer-Engine's).
+    one = spawn_local_workers(actor_workers.routing_replay_worker, 1, tiny_hf_dirs["qwen3_moe"], 1, False, 3,
+                              "local")[0]
+    rec = one["recorded"]
+    assert rec["routes"].dtype == torch.int16 and rec["routes"].shape[2:] == (4, 2)
+    # Aligned like the log-probs: at token t, the routes of the position predicting it (1 <= t < length).
+    t, lengths = torch.arange(rec["routes"].shape[1])[None], torch.tensor([10 + 3 * i for i in range(6)])[:, None]
+    recorded = (rec["routes"] >= 0).all(-1).all(-1)
+    assert torch.equal(recorded, (t >= 1) & (t < lengths))
+    # Before the first optimizer step, the update's forward is the old-log-prob pass's, exactly.
+    first = slice(0, 3)  # the first of 2 mini-batches
+    assert torch.equal(rec["update_log_probs"][first], rec["old_log_probs"][first])
+    # The update's own routers agree with the recorded routes on the first mini-batch, less after
+    # its optimizer step (0.80 measured over both).
+    assert 0.5 < rec["metrics"]["moe/routing_agreement"] < 1
+    assert all(rec["metrics"][f"moe/load_imbalance/layer{layer}"] >= 1 for layer in range(4))
+    # Replayed routes no router chose: the update follows them (its router never agrees) ...
+    shifted = one["shifted"]
+    assert shifted["metrics"]["moe/routing_agreement"] < 0.05
+    assert (shifted["update_log_probs"] - rec["update_log_probs"]).abs().max() > 1e-2
+    # ... and two pipeline stages that recompute every layer in the backward replay each
+    # micro-batch's own routes: the same log-probs and update as one stage (a replay that took the
+    # routes of the micro-batch run last, not the one recomputed, was 1.5e-2 off here).
+    two = spawn_local_workers(actor_workers.routing_replay_worker, 2, tiny_hf_dirs["qwen3_moe"], 2, True)[0]
+    # So do 2 data-parallel ranks holding 4 experts each (every rank gets every row's routes).
+    split = spawn_local_workers(actor_workers.routing_replay_worker, 2, tiny_hf_dirs["qwen3_moe"], 1, False, 3,
+                                "auto", 2)
+    for other in (two, *split):
+        for name in ("recorded", "shifted"):
+            assert torch.equal(other[name]["routes"], one[name]["routes"]), name
+            assert torch.allclose(other[name]["update_log_probs"], one[name]["update_log_probs"], atol=1e-5), name
+            for key in ("actor/pg_loss", "actor/grad_norm", "moe/routing_agreement"):
+                assert other[name]["metrics"][key] == pytest.approx(one[name]["metrics"][key], abs=1e-5), (name, key)
 
 
 @pytest.mark.parametrize("mini_batch_size", [6, 3, 1])

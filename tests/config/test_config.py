@@ -95,12 +95,26 @@ MOE_ARCH = arch_from_hf_config({"model_type": "qwen3_moe", "num_hidden_layers": 
     (["parallel.ep=0"], MOE_ARCH, 1, "parallel.ep=0 must be >= 1"),
     (["model.moe.freeze_router=true"], ARCH, 1, "model.moe.freeze_router=True acts on a mixture-of-experts model's "
                                                 "router; model 'qwen3' is dense"),
+    (["actor.moe.routing_replay=R2"], ARCH, 1, "actor.moe.routing_replay=R2 replays a mixture-of-experts model's "
+                                               "routes; model 'qwen3' is dense: set actor.moe.routing_replay=none"),
+    (["actor.moe.routing_replay=R3"], MOE_ARCH, 1, "actor.moe.routing_replay.*R3.*none, R2"),
 ])
 def test_expert_layouts_are_checked_at_load(overrides, arch, world, message):
     with pytest.raises(ConfigError, match=message):
         validate_against_model(load_config(overrides=overrides), arch, world)
     validate_against_model(load_config(overrides=["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
                            MOE_ARCH, 4)
+
+
+@pytest.mark.parametrize("tp,pp,cp,ep,ranks", [(1, 1, 1, 1, 1), (1, 1, 1, 2, 2), (2, 1, 1, 2, 4), (1, 2, 2, 2, 4),
+                                               (1, 1, 2, 4, 4)])
+def test_rlf_train_started_by_hand_starts_a_world_that_holds_the_expert_layout(tp, pp, cp, ep, ranks):
+    from rlfactory_megatron.runtime.distributed import ParallelSizes
+
+    cfg = load_config(overrides=[f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.cp={cp}", f"parallel.ep={ep}",
+                                 "parallel.sequence_parallel=true"])
+    assert ParallelSizes.of(cfg.parallel).smallest_world == ranks
+    validate_against_model(cfg, MOE_ARCH, ranks)  # the layout fits the ranks started
 
 
 # Shapes of the real models (from their config.json), to check each example's layout fits them.

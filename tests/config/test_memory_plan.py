@@ -75,6 +75,16 @@ def test_each_term_follows_the_keys_that_shape_it():
     budget = _example("qwen2_5_7b_grpo_8gpu.yaml").actor.max_tokens_per_microbatch
     split = _plan("qwen2_5_7b_grpo_8gpu.yaml", "qwen2_7b", 8, "parallel.cp=2", f"actor.max_tokens_per_microbatch={2 * budget}")
     assert _term(split, "training", "activations") == activations and "tp=4 pp=1 cp=2 dp=1" in split.layout
+    # Expert parallelism (Qwen3-30B-A3B, 128 experts, at tp=4 pp=2 ep=2 on 16 ranks): a rank holds
+    # 64 experts of each layer of its stage, and the distributed optimizer shards an expert's
+    # state over the dp / ep = 1 rank holding it, the rest over dp = 2.
+    moe = arch_from_hf_config(REAL_SHAPES["qwen3_30b_a3b"])
+    on_rank = moe.parameter_count(4, 2, 1, ep=2)  # the last stage: the bigger one, whose plan is shown
+    experts = moe.expert_parameter_count(4, 2, ep=2)
+    assert experts == moe.expert_parameter_count(4, 2) // 2 and on_rank == moe.parameter_count(4, 2, 1) - experts
+    layout = _plan("qwen3_8b_grpo_2node.yaml", "qwen3_30b_a3b", 16, "parallel.ep=2", "parallel.sequence_parallel=true")
+    assert _term(layout, "training", "actor weights") == 2 * on_rank and "ep=2 dp=2" in layout.layout
+    assert _term(layout, "training", "actor optimizer") == 12 * (on_rank - experts) / 2 + 12 * experts
     assert _term(split, "training", "actor optimizer") == 12 * params / 2
     assert _term(_plan("qwen2_5_7b_grpo_8gpu.yaml", "qwen2_7b", 8, "actor.kl_loss_coef=0"), "training", "reference") == 0
     assert _term(base, "generation", "reference") == 2 * params
