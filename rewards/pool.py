@@ -11,6 +11,7 @@ import itertools
 import pickle
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import ray
@@ -61,6 +62,9 @@ class RewardWorker:
             self.manager.isolate(sample_timeout_s)
         self.remote = RemoteReward(remote) if remote is not None else None
         self.combine = combine.load()
+        # The endpoint's requests run in this thread while the rule scores: a step waits for the
+        # slower of the two, not their sum.
+        self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="model-reward") if self.remote else None
         self._job: int | None = None
         self._unit: tuple[list[int], float, float | None] | None = None
 
@@ -69,12 +73,13 @@ class RewardWorker:
         self._job, self._unit = job, None
         try:
             samples = unpack_samples(packed)
+            model = self._model_thread.submit(self.remote.score, samples) if self.remote is not None else None
             rule = self.manager(samples, on_start=self._started) if self.manager is not None else None
-            if self.remote is None:
+            if model is None:
                 return rule
             # The endpoint's own timeouts and retries bound this part; the pool allows their worst case.
             self._started(list(range(len(samples))), self.remote.spec.budget_s(len(samples)))
-            return combined(samples, rule, self.remote.score(samples), self.combine)
+            return combined(samples, rule, model.result(), self.combine)
         finally:
             self._job = None
 
@@ -97,6 +102,8 @@ class RewardWorker:
     def close(self) -> None:
         if self.manager is not None:
             self.manager.close()
+        if self._model_thread is not None:
+            self._model_thread.shutdown(cancel_futures=True)
 
 
 @dataclass(eq=False)
