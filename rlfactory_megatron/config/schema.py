@@ -206,7 +206,7 @@ class RewardCombineConfig:
     all null: the model score alone (the rule is not computed)."""
 
     rule_weight: Optional[float] = None  # reward = rule_weight * rule + model_weight * model (a null weight is 0)
-    model_weight: Optional[float] = None
+    model_weight: Optional[float] = None  # the model score's weight in that sum
     # A Python file with combine(rule_score, model_score, data_source, solution_str, ground_truth, extra_info) -> float
     function_path: Optional[str] = None
     function_name: str = "combine"  # its name
