@@ -215,8 +215,10 @@ class RewardFuture:
             job = next((j for j in self.jobs if report and j.seq == report[0]), None)
             # A safety net with slack: per-sample managers time their samples out themselves,
             # in processes that may start later than this job did.
+            if job is None:
+                continue
             allowed = report[3] if report[3] is not None else self.pool.sample_timeout_s * (len(report[1]) + 1)
-            if job is not None and report[2] > allowed + 5.0:
+            if report[2] > allowed + 5.0:
                 self._worker_stuck(job, report[1])
 
     def _worker_stuck(self, job: _Job, unit: list[int]) -> None:
