@@ -36,7 +36,11 @@ _FUNCTION = re.compile(r"^(?P<path>.+\.py):(?P<name>[A-Za-z_]\w*)$")
 
 
 class ReplyNotParsed(ValueError):
-    """A judge's reply holds no score the parser can read."""
+    """A judge's reply holds no score the parser can read; `reply` is that reply, where known."""
+
+    def __init__(self, message: str, reply: str | None = None) -> None:
+        super().__init__(message)
+        self.reply = reply
 
 
 @dataclass

@@ -124,8 +124,7 @@ class ChatProtocol:
         try:
             return self.parse(reply), reply
         except ReplyNotParsed as exc:
-            exc.reply = reply
-            raise
+            raise ReplyNotParsed(str(exc), reply) from None
 
 
 PROTOCOLS: Registry[type] = Registry("reward.remote protocol")
@@ -184,8 +183,7 @@ class RemoteReward:
                     score, reply = await self._request(session, data)
                     return ModelScore(score, reply, latency_s=time.monotonic() - started, retries=attempt)
                 except ReplyNotParsed as exc:  # the judge answered: asking again would mostly repeat it
-                    return self._failed(f"reply not parsed: {exc}", attempt, started, getattr(exc, "reply", None),
-                                        parse_failed=True)
+                    return self._failed(f"reply not parsed: {exc}", attempt, started, exc.reply, parse_failed=True)
                 except _Final as exc:
                     return self._failed(str(exc), attempt, started)
                 except (asyncio.TimeoutError, aiohttp.ClientError, GarbageReply, _Retried) as exc:
