@@ -54,7 +54,7 @@ class JudgePrompt:
         """`value`: a file holding the template, the template itself, or None for the built-in one."""
         if value is None:
             return cls(DEFAULT_TEMPLATE)
-        text = Path(value).read_text() if "\n" not in value and Path(value).is_file() else value
+        text = Path(value).read_text() if _is_file(value) else value
         try:
             used = {name for _, name, _, _ in string.Formatter().parse(text) if name is not None}
         except ValueError as exc:
@@ -75,6 +75,14 @@ class JudgePrompt:
         text = self.template.format(prompt=sample.prompt, response=sample.response,
                                     ground_truth=sample.ground_truth, tool_calls=calls)
         return [{"role": "user", "content": text}]
+
+
+def _is_file(value: str) -> bool:
+    """Whether a template setting names a file (a template longer than a path can be is not one)."""
+    try:
+        return "\n" not in value and Path(value).is_file()
+    except OSError:
+        return False
 
 
 def reply_parser(value: str) -> Callable[[str], float]:

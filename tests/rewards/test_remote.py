@@ -135,6 +135,8 @@ def test_parsers_regex_and_function_from_a_file(tmp_path):
     fn.write_text("def read(reply):\n    return {'yes': 1.0, 'no': 0.0}[reply.strip().lower()]\n")
     assert reply_parser(f"{fn}:read")(" Yes ") == 1.0
     assert JudgePrompt.from_config(None).template.count("{response}") == 1
+    long_template = "Grade {response}. " + "Be strict. " * 500  # a string longer than a path can be
+    assert JudgePrompt.from_config(long_template).template == long_template
 
 
 def test_combine_weighted_function_and_model_alone(tmp_path):
