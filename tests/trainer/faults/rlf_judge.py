@@ -46,7 +46,7 @@ class LocalJudge:
             def log_message(self, *args):
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = _Server(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/chat/completions"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -58,6 +58,12 @@ class LocalJudge:
     def __exit__(self, *exc) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+class _Server(ThreadingHTTPServer):
+    # The stdlib's backlog of 5 drops the connections of a burst (a step's 64 samples at once):
+    # their clients would retry the connect a second later and time out, faults of the test server.
+    request_queue_size = 256
 
 
 def chat_completion(content: str) -> str:
