@@ -1,4 +1,5 @@
-"""The Ray reward pool: reward managers in CPU Ray actors; `submit(samples)` returns a future.
+"""The Ray reward pool: reward managers (and the remote reward endpoint, its requests beside the
+rule's scoring) in CPU Ray actors; `submit(samples)` returns a future.
 
 A sample whose reward function raises, hangs or kills its process scores 0 with an error.
 Per-sample managers score in worker processes inside the actor (`RewardManager.isolate`), so a

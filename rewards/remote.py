@@ -26,6 +26,14 @@ class GarbageReply(ValueError):
     """The endpoint answered, but not with what its protocol promises (not JSON, a field missing)."""
 
 
+class _Retried(Exception):
+    """An HTTP status worth another try."""
+
+
+class _Final(Exception):
+    """An HTTP status that another try would not change (a 4xx: the request is wrong)."""
+
+
 @dataclass
 class ModelScore:
     """One sample's model score and how it was got; `error` set: the score is reward.model.on_error."""
@@ -210,14 +218,6 @@ class RemoteReward:
                 parse_failed: bool = False) -> ModelScore:
         logger.warning("model reward from %s failed: %s", self.spec.url, error)
         return ModelScore(self.spec.on_error, reply, error, parse_failed, time.monotonic() - started, attempt)
-
-
-class _Retried(Exception):
-    """An HTTP status worth another try."""
-
-
-class _Final(Exception):
-    """An HTTP status that another try would not change (a 4xx: the request is wrong)."""
 
 
 def _describe_failure(exc: BaseException, timeout_s: float) -> str:
