@@ -57,25 +57,32 @@ def load_reward_fn(spec: RewardFnSpec, batched: bool = False) -> Callable[..., A
     if spec.path is None:
         fn = _builtin(spec)
         return functools.partial(_map_over_batch(fn) if batched else fn, **spec.kwargs)
-    fn = _function_from_file(spec)
-    expected = BATCH_ARGS if batched else SAMPLE_ARGS
+    return load_function(spec, BATCH_ARGS if batched else SAMPLE_ARGS)
+
+
+def load_function(spec: RewardFnSpec, args: tuple[str, ...], path_key: str | None = None,
+                  name_key: str | None = None) -> Callable[..., Any]:
+    """The function `spec.name` of the file `spec.path`, checked to take `args` (plus `spec.kwargs`,
+    bound); errors name `path_key` / `name_key` (default: the custom_function_* keys under
+    `spec.config_prefix`)."""
+    path_key = path_key or f"{spec.config_prefix}.custom_function_path"
+    name_key = name_key or f"{spec.config_prefix}.custom_function_name"
+    fn = _function_from_file(spec, path_key, name_key)
     try:
-        inspect.signature(fn).bind(**dict.fromkeys(expected), **spec.kwargs)
+        inspect.signature(fn).bind(**dict.fromkeys(args), **spec.kwargs)
     except TypeError as exc:
         kwargs = f" plus {spec.config_prefix}.custom_function_kwargs {sorted(spec.kwargs)}" if spec.kwargs else ""
         raise RewardConfigError(
-            f"{spec.config_prefix}.custom_function_name: {spec.name}{inspect.signature(fn)} in {spec.path} "
-            f"cannot be called with ({', '.join(expected)}){kwargs}: {exc}. Give it these parameters (or **kwargs)."
+            f"{name_key}: {spec.name}{inspect.signature(fn)} in {spec.path} "
+            f"cannot be called with ({', '.join(args)}){kwargs}: {exc}. Give it these parameters (or **kwargs)."
         ) from None
     return functools.partial(fn, **spec.kwargs)
 
 
-def _function_from_file(spec: RewardFnSpec) -> Callable[..., Any]:
+def _function_from_file(spec: RewardFnSpec, path_key: str, name_key: str) -> Callable[..., Any]:
     path = Path(spec.path).expanduser().resolve()
     if not path.is_file():
-        raise RewardConfigError(
-            f"{spec.config_prefix}.custom_function_path: no file at {path} (from {spec.path!r}); point it at a .py file"
-        )
+        raise RewardConfigError(f"{path_key}: no file at {path} (from {spec.path!r}); point it at a .py file")
     # A name unique per file, so two custom files with the same stem do not replace each other.
     module_name = f"rlf_reward_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
     module_spec = importlib.util.spec_from_file_location(module_name, path)
@@ -85,16 +92,11 @@ def _function_from_file(spec: RewardFnSpec) -> Callable[..., Any]:
         module_spec.loader.exec_module(module)
     except Exception as exc:
         del sys.modules[module_name]
-        raise RewardConfigError(
-            f"{spec.config_prefix}.custom_function_path: importing {path} failed: {type(exc).__name__}: {exc}"
-        ) from exc
+        raise RewardConfigError(f"{path_key}: importing {path} failed: {type(exc).__name__}: {exc}") from exc
     fn = getattr(module, spec.name, None)
     if not callable(fn):
         available = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_"))
-        raise RewardConfigError(
-            f"{spec.config_prefix}.custom_function_name: {path} has no function {spec.name!r}; "
-            f"functions defined there: {available}"
-        )
+        raise RewardConfigError(f"{name_key}: {path} has no function {spec.name!r}; functions defined there: {available}")
     return fn
 
 

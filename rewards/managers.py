@@ -4,9 +4,11 @@ import inspect
 from collections.abc import Callable
 
 from rlfactory_megatron.registry import Registry
+from rlfactory_megatron.rewards.combine import CombineSpec
 from rlfactory_megatron.rewards.custom import RewardConfigError, RewardFnSpec, load_reward_fn
 from rlfactory_megatron.rewards.process_workers import ScoringProcesses
 from rlfactory_megatron.rewards.records import RewardResult, RewardSample
+from rlfactory_megatron.rewards.remote import RemoteRewardSpec, check_remote
 from rlfactory_megatron.rewards.scoring import score_batch, score_one
 
 # Called with the sample indices a manager is about to score, so a supervisor (the Ray
@@ -148,11 +150,18 @@ def build_reward_manager(name: str, function: RewardFnSpec | None = None, **opti
     return cls(function or RewardFnSpec(), **options)
 
 
-def check_reward_config(name: str, function: RewardFnSpec, options: dict) -> None:
+def check_reward_config(name: str, function: RewardFnSpec, options: dict, remote: RemoteRewardSpec | None = None,
+                        combine: CombineSpec | None = None) -> None:
     """Everything about the reward settings that can be known without scoring: the manager and
-    its options, the scorer, the custom function (imported) and its signature. Starts nothing."""
-    cls = _checked_manager(name, function, options)
-    load_reward_fn(function, batched=cls.batched)
+    its options, the scorer, the custom function (imported) and its signature, when the rule is
+    computed; the remote endpoint's settings (template, parser) and the combination. Starts nothing."""
+    combine = combine or CombineSpec()
+    combine.check(has_model=remote is not None)
+    if remote is not None:
+        check_remote(remote)
+    if remote is None or combine.uses_rule:
+        cls = _checked_manager(name, function, options)
+        load_reward_fn(function, batched=cls.batched)
 
 
 def _checked_manager(name: str, function: RewardFnSpec, options: dict) -> type:

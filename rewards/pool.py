@@ -1,4 +1,5 @@
-"""The Ray reward pool: reward managers in CPU Ray actors; `submit(samples)` returns a future.
+"""The Ray reward pool: reward managers (and the remote reward endpoint, its requests beside the
+rule's scoring) in CPU Ray actors; `submit(samples)` returns a future.
 
 A sample whose reward function raises, hangs or kills its process scores 0 with an error.
 Per-sample managers score in worker processes inside the actor (`RewardManager.isolate`), so a
@@ -11,6 +12,7 @@ import itertools
 import pickle
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import ray
@@ -18,9 +20,11 @@ from ray import cloudpickle
 from ray.actor import ActorHandle
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
+from rlfactory_megatron.rewards.combine import CombineSpec, combined
 from rlfactory_megatron.rewards.custom import RewardFnSpec
-from rlfactory_megatron.rewards.managers import build_reward_manager
+from rlfactory_megatron.rewards.managers import build_reward_manager, check_reward_config
 from rlfactory_megatron.rewards.records import RewardResult, RewardSample
+from rlfactory_megatron.rewards.remote import RemoteReward, RemoteRewardSpec
 from rlfactory_megatron.rewards.scoring import failed
 
 _SAMPLE_FIELDS = [f.name for f in dataclasses.fields(RewardSample)]
@@ -45,41 +49,62 @@ def unpack_samples(pieces: tuple[bytes, ...] | list[bytes]) -> list[RewardSample
 
 
 class RewardWorker:
-    """Ray actor body: one reward manager, plus `ready`/`progress` answered from a second thread."""
+    """Ray actor body: the rule (one reward manager) and the model reward (the remote endpoint),
+    combined; plus `ready`/`progress` answered from a second thread."""
 
-    def __init__(self, manager: str, function: RewardFnSpec, options: dict, sample_timeout_s: float) -> None:
-        self.manager = build_reward_manager(manager, function, **options)
-        # Each sample in a process of its own: a hang or an exit costs that sample and the
-        # process (milliseconds to replace), not this actor, and hung samples overlap.
-        self.manager.isolate(sample_timeout_s)
+    def __init__(self, manager: str, function: RewardFnSpec, options: dict, sample_timeout_s: float,
+                 remote: RemoteRewardSpec | None = None, combine: CombineSpec | None = None) -> None:
+        combine = combine or CombineSpec()
+        self.manager = None
+        if remote is None or combine.uses_rule:
+            self.manager = build_reward_manager(manager, function, **options)
+            # Each sample in a process of its own: a hang or an exit costs that sample and the
+            # process (milliseconds to replace), not this actor, and hung samples overlap.
+            self.manager.isolate(sample_timeout_s)
+        self.remote = RemoteReward(remote) if remote is not None else None
+        self.combine = combine.load()
+        # The endpoint's requests run in this thread while the rule scores: a step waits for the
+        # slower of the two, not their sum.
+        self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="model-reward") if self.remote else None
         self._job: int | None = None
-        self._unit: tuple[list[int], float] | None = None
+        self._unit: tuple[list[int], float, float | None] | None = None
 
     def score(self, job: int, *packed: bytes) -> RewardResult:
         """Scores the samples `pack_samples` packed; `job` names the call for `progress`."""
         self._job, self._unit = job, None
         try:
-            return self.manager(unpack_samples(packed), on_start=self._started)
+            samples = unpack_samples(packed)
+            model = self._model_thread.submit(self.remote.score, samples) if self.remote is not None else None
+            rule = self.manager(samples, on_start=self._started) if self.manager is not None else None
+            if model is None:
+                return rule
+            # The endpoint's own timeouts and retries bound this part; the pool allows their worst case.
+            self._started(list(range(len(samples))), self.remote.spec.budget_s(len(samples)))
+            return combined(samples, rule, model.result(), self.combine)
         finally:
             self._job = None
 
-    def _started(self, indices: list[int]) -> None:
-        self._unit = (indices, time.monotonic())
+    def _started(self, indices: list[int], allowed_s: float | None = None) -> None:
+        self._unit = (indices, time.monotonic(), allowed_s)
 
     @ray.method(concurrency_group="control")
     def ready(self) -> None:
         """Answers once the actor is built."""
 
     @ray.method(concurrency_group="control")
-    def progress(self) -> tuple[int, list[int], float] | None:
-        """(job, sample indices in that job being scored, seconds on them so far), or None when idle/unknown."""
+    def progress(self) -> tuple[int, list[int], float, float | None] | None:
+        """(job, sample indices in that job being scored, seconds on them so far, seconds they are
+        allowed or None: the pool's per-sample timeout), or None when idle/unknown."""
         if self._job is None or self._unit is None:
             return None
-        indices, started = self._unit
-        return self._job, indices, time.monotonic() - started
+        indices, started, allowed_s = self._unit
+        return self._job, indices, time.monotonic() - started, allowed_s
 
     def close(self) -> None:
-        self.manager.close()
+        if self.manager is not None:
+            self.manager.close()
+        if self._model_thread is not None:
+            self._model_thread.shutdown(cancel_futures=True)
 
 
 @dataclass(eq=False)
@@ -191,7 +216,10 @@ class RewardFuture:
             job = next((j for j in self.jobs if report and j.seq == report[0]), None)
             # A safety net with slack: per-sample managers time their samples out themselves,
             # in processes that may start later than this job did.
-            if job is not None and report[2] > self.pool.sample_timeout_s * (len(report[1]) + 1) + 5.0:
+            if job is None:
+                continue
+            allowed = report[3] if report[3] is not None else self.pool.sample_timeout_s * (len(report[1]) + 1)
+            if report[2] > allowed + 5.0:
                 self._worker_stuck(job, report[1])
 
     def _worker_stuck(self, job: _Job, unit: list[int]) -> None:
@@ -234,7 +262,8 @@ class RewardFuture:
 
 
 class RewardPool:
-    """`num_workers` CPU Ray actors, each running the `manager` reward manager on `function`.
+    """`num_workers` CPU Ray actors, each running the `manager` reward manager on `function`
+    and/or the `remote` endpoint, their scores mixed as `combine` says.
 
     The configuration is checked here, in the caller, before any actor starts. A sample
     whose scoring unit runs past `sample_timeout_s` (per sample in it) or takes its worker
@@ -252,9 +281,12 @@ class RewardPool:
         num_cpus_per_worker: float = 1.0,
         poll_s: float = 0.2,
         start_timeout_s: float = 120.0,
+        remote: RemoteRewardSpec | None = None,
+        combine: CombineSpec | None = None,
     ) -> None:
         self.function, self.manager_options = function or RewardFnSpec(), manager_options or {}
-        build_reward_manager(manager, self.function, **self.manager_options).close()
+        self.remote, self.combine = remote, combine or CombineSpec()
+        check_reward_config(manager, self.function, self.manager_options, remote, self.combine)
         self.manager, self.sample_timeout_s, self.poll_s = manager, sample_timeout_s, poll_s
         self.start_timeout_s = start_timeout_s
         self._actor = ray.remote(num_cpus=num_cpus_per_worker, max_restarts=0, concurrency_groups={"control": 1})(
@@ -284,7 +316,8 @@ class RewardPool:
         self._workers = []
 
     def _start_worker(self) -> ActorHandle:
-        worker = self._actor.remote(self.manager, self.function, self.manager_options, self.sample_timeout_s)
+        worker = self._actor.remote(self.manager, self.function, self.manager_options, self.sample_timeout_s,
+                                    self.remote, self.combine)
         self._starting[worker] = (worker.ready.remote(), time.monotonic())
         return worker
 

@@ -15,7 +15,13 @@ class RewardSample:
     ground_truth: Any
     response_length: int = 0  # valid response tokens: where a token-level reward lands, and DAPO's length
     extra_info: dict = field(default_factory=dict)
+    prompt: str = ""  # the task as the user asked it (its last user message): what a judge reads
+    tool_calls: list[dict] = field(default_factory=list)  # {name, arguments, observation} per call, in order
 
+
+# Extra values summed over the batch too (counts: `reward/<key>/sum`) and maxed (`reward/<key>/max`).
+SUMMED_EXTRAS = ("model/failed", "model/parse_failed", "model/retries")
+MAXED_EXTRAS = ("model/latency_s",)
 
 # Why a sample's reward failed: its function raised, returned no finite number, ran past its
 # timeout, or took its worker down.
@@ -63,13 +69,16 @@ class RewardResult:
         return rewards
 
     def metrics(self, prefix: str = "reward") -> dict[str, float]:
-        """Batch means of the score and of every numeric extra key, plus the error count."""
+        """Batch means of the score and of every numeric extra key (sums of the counts, maxima of
+        the latencies), plus the error count."""
         columns: dict[str, list[float]] = {"score": self.scores}
         for extra in self.extras:
             for key, value in extra.items():
                 if isinstance(value, (int, float)) and key != "score":
                     columns.setdefault(key, []).append(float(value))
         metrics = {f"{prefix}/{key}/mean": sum(v) / len(v) for key, v in columns.items() if v}
+        metrics.update({f"{prefix}/{key}/sum": float(sum(columns[key])) for key in SUMMED_EXTRAS if key in columns})
+        metrics.update({f"{prefix}/{key}/max": max(columns[key]) for key in MAXED_EXTRAS if columns.get(key)})
         metrics[f"{prefix}/errors"] = float(sum(e is not None for e in self.errors))
         for kind in ERROR_KINDS:
             metrics[f"{prefix}/errors/{kind}"] = float(sum(k == kind for k in self.error_kinds))

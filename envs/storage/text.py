@@ -36,6 +36,10 @@ def render(record: RolloutRecord, tokenizer, prompt_chars: int | None = 2000) ->
         lines.append("weight versions: " + ", ".join(f"v{v} x {n} tokens" for v, n in meta["weight_versions"]))
     if meta.get("reward_error"):
         lines.append(f"reward error: {meta['reward_error']}")
+    if "model_score" in meta:  # a model reward (reward.remote): its part, and the judge's reply when it is text
+        rule = f", rule score {meta['rule_score']:.3f}" if "rule_score" in meta else ""
+        failure = f", failed: {meta['model_error']}" if meta.get("model_error") else ""
+        lines.append(f"model score {meta['model_score']:.3f}{rule}{failure}")
     prompt = _decode(tokenizer, record.prompt_ids)
     if prompt_chars is not None and len(prompt) > prompt_chars:
         prompt = f"[... {len(prompt) - prompt_chars} characters]" + prompt[-prompt_chars:]
@@ -47,6 +51,8 @@ def render(record: RolloutRecord, tokenizer, prompt_chars: int | None = 2000) ->
         else:
             lines.append(f"--- observation ({len(ids)} tokens, not trained on)")
         lines.append(_decode(tokenizer, ids))
+    if meta.get("model_reply") is not None:
+        lines += ["--- judge reply", meta["model_reply"]]
     for call in record.tool_traces:
         outcome = "error" if call.get("is_error") else "ok"
         lines.append(f"--- tool call (turn {call.get('turn')}): {call.get('name')}"

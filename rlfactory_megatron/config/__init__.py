@@ -33,26 +33,27 @@ POSITIVE_INTS = ("parallel.tp", "parallel.pp", "parallel.cp", "parallel.ep", "ro
                  "trainer.max_skipped_updates", "rollout.max_prompt_tokens", "rollout.max_response_tokens",
                  "tools.tool_response_max_tokens", "tools.num_workers", "tools.max_concurrency", "reward.num_workers",
                  "critic.ppo_epochs", "trainer.keep_last", "cache.tool_cache_max_mb", "logging.log_every",
-                 "rollout.max_num_seqs")
+                 "rollout.max_num_seqs", "reward.remote.max_concurrency", "reward.model.max_tokens")
 NON_NEGATIVE = ("model.moe.aux_loss_coeff", "model.moe.z_loss_coeff", "trainer.save_every", "trainer.val_every", "trainer.val_prompts", "trainer.sft_steps", "trainer.max_refill_rounds",
                 "trainer.max_staleness",
                 "actor.optim.warmup_steps", "critic.optim.warmup_steps", "actor.optim.min_lr", "critic.optim.min_lr",
-                "actor.optim.weight_decay", "critic.optim.weight_decay", "actor.optim.clip_grad",
+                "actor.optim.weight_decay", "critic.optim.weight_decay", "actor.optim.clip_grad", "reward.remote.max_retries",
+                "reward.remote.backoff_s", "reward.model.temperature",
                 "critic.optim.clip_grad", "actor.kl_loss_coef", "actor.clip_ratio_low", "actor.clip_ratio_high")
 POSITIVE = ("actor.optim.lr", "critic.optim.lr", "trainer.sft_lr", "actor.optim.adam_eps", "critic.optim.adam_eps",
-            "reward.timeout_s", "tools.call_timeout_s", "critic.cliprange_value")
+            "reward.timeout_s", "tools.call_timeout_s", "critic.cliprange_value", "reward.remote.timeout_s")
 # Keys whose allowed values are a registry's names: a new entry is allowed as soon as it registers.
 def _registries() -> dict[str, object]:
     from rlfactory_megatron.algorithms.aggregation import LOSS_AGGREGATIONS
     from rlfactory_megatron.algorithms.kl import KL_PENALTIES
     from rlfactory_megatron.algorithms.policy_losses import POLICY_LOSSES
     from rlfactory_megatron.envs.tool_manager import TOOL_FORMATS
-    from rlfactory_megatron.rewards import REWARD_MANAGERS
+    from rlfactory_megatron.rewards import PROTOCOLS, REWARD_MANAGERS
     from rlfactory_megatron.trainer.presets import ALGORITHM_PRESETS
 
     return {"trainer.algorithm": ALGORITHM_PRESETS, "actor.policy_loss": POLICY_LOSSES,
             "actor.kl_penalty": KL_PENALTIES, "actor.loss_agg_mode": LOSS_AGGREGATIONS,
-            "tools.format": TOOL_FORMATS, "reward.manager": REWARD_MANAGERS}
+            "tools.format": TOOL_FORMATS, "reward.manager": REWARD_MANAGERS, "reward.remote.protocol": PROTOCOLS}
 
 
 class ConfigError(ValueError):
@@ -270,12 +271,13 @@ def _check_rewards_and_tools(cfg) -> None:
     """The reward function (imported, signature checked) and the tools YAML's classes and
     params: failing here costs nothing, failing in the run comes after the model and engines."""
     from rlfactory_megatron.envs.tools.registry import check_tool_specs, load_tool_specs
-    from rlfactory_megatron.rewards import RewardFnSpec
+    from rlfactory_megatron.rewards import CombineSpec, RemoteRewardSpec, RewardFnSpec
     from rlfactory_megatron.rewards.managers import check_reward_config
 
     try:
         check_reward_config(cfg.reward.manager, RewardFnSpec.from_config(cfg.reward),
-                            dict(cfg.reward.manager_options))
+                            dict(cfg.reward.manager_options), RemoteRewardSpec.from_config(cfg.reward),
+                            CombineSpec.from_config(cfg.reward.combine))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if cfg.tools.enable and cfg.tools.config_path:

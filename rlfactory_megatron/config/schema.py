@@ -180,6 +180,48 @@ class ToolsConfig:
 
 
 @dataclass
+class ModelRewardConfig:
+    """The model reward (a judge's score), whichever route serves it: reward.remote now; the
+    prompt, the reply's parsing and the failure score are the route's common part."""
+
+    # The judge's prompt (chat): a file or a string with {response}, and any of {prompt},
+    # {ground_truth}, {tool_calls}; null: the built-in one (rewards/judge.py)
+    template: Optional[str] = None
+    # How a judge's reply becomes a score: a regex (its first group, of the last match) or file.py:function (reply -> float)
+    parser: str = r"<score>\s*([-+]?[0-9]*\.?[0-9]+)\s*</score>"
+    max_tokens: int = 512  # chat: the judge's reply length cap
+    temperature: float = 0.0  # chat: the judge's sampling temperature
+    # The model score of a sample whose model reward failed (timed out, HTTP error, garbage, a reply that does not parse)
+    on_error: float = 0.0
+
+
+@dataclass
+class RemoteRewardConfig:
+    url: Optional[str] = None  # an HTTP endpoint scoring each sample (null: no remote reward)
+    # chat: OpenAI-compatible chat completions (url: the full .../v1/chat/completions), the reply parsed by
+    # reward.model.parser; score: POST {"prompt", "response", "label"}, read {"score": float}
+    protocol: str = "score"
+    served_model: Optional[str] = None  # chat: the request's "model" (the name the server serves the judge under)
+    api_key_env: Optional[str] = None  # an environment variable holding a key sent as "Authorization: Bearer <key>"
+    timeout_s: float = 30.0  # per request; a request taking longer is retried, then the sample gets reward.model.on_error
+    max_retries: int = 2  # after a timeout, a connection error, a 429/5xx or an unreadable body
+    backoff_s: float = 1.0  # the wait before the first retry, doubled before each next one
+    max_concurrency: int = 16  # requests in flight per reward worker (reward.num_workers per generating process)
+
+
+@dataclass
+class RewardCombineConfig:
+    """How the rule score (reward.scorer / custom function) and the model score make the reward;
+    all null: the model score alone (the rule is not computed)."""
+
+    rule_weight: Optional[float] = None  # reward = rule_weight * rule + model_weight * model (a null weight is 0)
+    model_weight: Optional[float] = None  # the model score's weight in that sum
+    # A Python file with combine(rule_score, model_score, data_source, solution_str, ground_truth, extra_info) -> float
+    function_path: Optional[str] = None
+    function_name: str = "combine"  # its name
+
+
+@dataclass
 class RewardConfig:
     scorer: Optional[str] = None  # a scorer name; null: each sample's data_source picks (openai/gsm8k -> gsm8k, ...)
     manager: str = "naive"  # naive | batch | prime | dapo
@@ -191,6 +233,9 @@ class RewardConfig:
     custom_function_kwargs: dict[str, Any] = field(default_factory=dict)  # extra keyword arguments it gets
     timeout_s: float = 10.0  # per sample: a score taking longer is that sample's timeout error (scored 0)
     num_workers: int = 1  # Ray actors scoring
+    model: ModelRewardConfig = field(default_factory=ModelRewardConfig)
+    remote: RemoteRewardConfig = field(default_factory=RemoteRewardConfig)
+    combine: RewardCombineConfig = field(default_factory=RewardCombineConfig)
 
 
 @dataclass

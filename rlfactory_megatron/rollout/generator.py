@@ -56,7 +56,7 @@ class RolloutGenerator:
                          if cfg.trainer.max_staleness > 0 else None)
 
     def _start_services(self, tool_specs: list) -> None:
-        from rlfactory_megatron.rewards import RewardFnSpec
+        from rlfactory_megatron.rewards import CombineSpec, RemoteRewardSpec, RewardFnSpec
         from rlfactory_megatron.rewards.pool import RewardPool
 
         cfg = self.cfg
@@ -66,7 +66,9 @@ class RolloutGenerator:
             self._start_tool_pool(tool_specs)
         self.reward_pool = RewardPool(cfg.reward.manager, RewardFnSpec.from_config(cfg.reward),
                                       manager_options=dict(cfg.reward.manager_options),
-                                      num_workers=cfg.reward.num_workers, sample_timeout_s=cfg.reward.timeout_s)
+                                      num_workers=cfg.reward.num_workers, sample_timeout_s=cfg.reward.timeout_s,
+                                      remote=RemoteRewardSpec.from_config(cfg.reward),
+                                      combine=CombineSpec.from_config(cfg.reward.combine))
 
     def _cache_topology(self):
         """One shard per engine process: the training topology when every rank owns an engine,
@@ -288,7 +290,11 @@ class RolloutGenerator:
         from rlfactory_megatron.rewards import RewardSample
 
         return [RewardSample(rollouts.records[row].data_source, rollouts.local[row][1], rollouts.records[row].ground_truth,
-                             response_length=len(rollouts.local[row][0].response_ids)) for row in rows]
+                             response_length=len(rollouts.local[row][0].response_ids),
+                             prompt=_user_text(rollouts.records[row].messages),
+                             tool_calls=[{"name": c.name, "arguments": c.arguments, "observation": c.observation}
+                                         for turn in rollouts.local[row][0].turns for c in turn.tool_calls])
+                for row in rows]
 
     def record(self, rows: TrainRows, batch: RolloutBatch, step: int) -> None:
         """Each engine process writes the rows it produced, as trained on, to its own shard (one
@@ -334,6 +340,12 @@ class RolloutGenerator:
         for store in (self.rollout_store, self.artifacts):
             if store is not None:
                 store.close()
+
+
+def _user_text(messages: list[dict]) -> str:
+    """The task as the user asked it: the last user message's text (what a judge reads as the prompt)."""
+    content = next((m.get("content") for m in reversed(messages) if m.get("role") == "user"), "")
+    return content if isinstance(content, str) else str(content)
 
 
 def _report_sandboxes(specs) -> None:

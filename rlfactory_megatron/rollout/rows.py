@@ -97,7 +97,8 @@ class Rollouts:
             np.asarray(traj.logprobs), advantages, float(self.reward.scores[row]), calls,
             {"data_source": record.data_source, "ground_truth": str(record.ground_truth),
              "group": row // self.group_size, "stop_reason": traj.stop_reason, "turns": len(traj.turns),
-             "reward_error": self.reward.errors[row], "weight_versions": _runs(self.versions.get(row, []))})
+             "reward_error": self.reward.errors[row], "weight_versions": _runs(self.versions.get(row, [])),
+             **_model_reward(self.reward.extras[row])})
 
     def staleness(self, version: int) -> dict[str, float]:
         """How many updates behind `version` (the weights being trained) the generated tokens'
@@ -188,3 +189,11 @@ class TrainRows:
     engine_log_probs: torch.Tensor  # [B, T], aligned to the batch's tokens
     engine_versions: torch.Tensor  # [B, T]: the weight version that generated each token (-1: not generated)
     rollouts: Rollouts
+
+
+def _model_reward(extra: dict) -> dict:
+    """A row's model reward as its stored record keeps it (none without one): the model's score,
+    the rule's, the judge's reply text and why the model reward failed."""
+    keys = {"model/score": "model_score", "rule/score": "rule_score", "model/reply": "model_reply",
+            "model/error": "model_error"}
+    return {name: extra[key] for key, name in keys.items() if key in extra}

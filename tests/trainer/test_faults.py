@@ -1,6 +1,7 @@
-"""Faults through the real `rlf-train`: a calculator tool and a reward function that fail at
-random in every way (raise, hang, block, 4 MB output, exit the worker, lone surrogates; NaN, inf,
-a string, hang, exit) cost their samples, never the run or the weights."""
+"""Faults through the real `rlf-train`: a calculator tool, a reward function and a remote judge
+that fail at random in every way (raise, hang, block, 4 MB output, exit the worker, lone
+surrogates; NaN, inf, a string, hang, exit; a judge that times out, answers 500, garbage or no
+score) cost their samples, never the run or the weights."""
 import json
 import math
 import subprocess
@@ -9,6 +10,9 @@ from pathlib import Path
 import pytest
 
 from rlf_train_cli import BIN, env_for, records
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "faults"))
+from rlf_judge import FaultyChatJudge, LocalJudge  # noqa: E402
 
 # Bounds on wall time: run alone, after the parallel part of the suite (scripts/test.sh).
 pytestmark = pytest.mark.serial
@@ -21,10 +25,16 @@ def test_a_run_with_faulty_tools_and_rewards_trains_to_the_end(tmp_path):
     tools.write_text("tools:\n  - class: rlf_faulty.FaultyCalculator\n")
     env = dict(env_for(tmp_path), PYTHONPATH=str(FAULTS))  # Ray's tool and reward workers import it by name
     # A real warm-start (the tiny policy then calls the calculator), five RL steps of 8 x 8 samples.
-    args = [f"trainer.output_dir={tmp_path / 'run'}", "trainer.total_steps=5", f"tools.config_path={tools}",
-            f"reward.custom_function_path={FAULTS / 'rlf_faulty.py'}", "reward.timeout_s=2", "tools.call_timeout_s=2",
-            "trainer.sft_steps=60", "trainer.sft_batch_size=16", "trainer.val_every=0", "trainer.save_every=0"]
-    out = subprocess.run([str(BIN / "rlf-train"), *args], capture_output=True, text=True, env=env, timeout=1500)
+    # The reward: the faulty rule plus a local chat judge that fails a share of its requests.
+    judge = FaultyChatJudge(hang_s=3.0)
+    with LocalJudge(judge) as server:
+        args = [f"trainer.output_dir={tmp_path / 'run'}", "trainer.total_steps=5", f"tools.config_path={tools}",
+                f"reward.custom_function_path={FAULTS / 'rlf_faulty.py'}", "reward.timeout_s=2", "tools.call_timeout_s=2",
+                f"reward.remote.url={server.url}", "reward.remote.protocol=chat", "reward.remote.timeout_s=1",
+                "reward.remote.max_retries=1", "reward.remote.backoff_s=0.1", "reward.remote.max_concurrency=64",
+                "reward.model.on_error=-1", "reward.combine.rule_weight=1", "reward.combine.model_weight=1",
+                "trainer.sft_steps=60", "trainer.sft_batch_size=16", "trainer.val_every=0", "trainer.save_every=0"]
+        out = subprocess.run([str(BIN / "rlf-train"), *args], capture_output=True, text=True, env=env, timeout=1500)
     assert out.returncode == 0, out.stderr[-3000:]
     steps = records(tmp_path / "run")
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
@@ -51,6 +61,13 @@ def test_a_run_with_faulty_tools_and_rewards_trains_to_the_end(tmp_path):
     kinds = [k for k in total if k.startswith("tools/errors/")]
     assert sum(total[k] for k in kinds) == sum(r["tools/errors"] for r in steps) > 0, total
     assert total["tools/errors/timeout"] + total["tools/errors/actor_died"] > 0, total
+    # The judge: its faults cost their samples reward.model.on_error, counted; retried requests counted.
+    model = {key: sum(r[f"reward/model/{key}/sum"] for r in steps) for key in ("failed", "parse_failed", "retries")}
+    assert 0 < model["parse_failed"] < model["failed"] < 5 * 64 and model["retries"] > 0, model
+    # Every request the judge saw was counted, as a sample's first ask or as a retry (an attempt that
+    # timed out before a loaded server read it is counted but not seen; the unit tests count exactly).
+    assert len(server.requests) <= 5 * 64 + model["retries"], (len(server.requests), model)
+    assert all(r["reward/model/latency_s/max"] > 0 for r in steps)
 
     # What the agent did, readable: the cache's trajectories decoded with the run's tokenizer,
     # tool calls (the faulty ones' odd output included) and rewards.
@@ -68,4 +85,15 @@ def test_a_run_with_faulty_tools_and_rewards_trains_to_the_end(tmp_path):
                    check=True, capture_output=True, env=env, timeout=120)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 64 and all("<|im_start|>user" in row["prompt_text"] for row in rows)
+    # Each sample's reward is its rule score plus its model score: the judge's score for the reply
+    # the judge sent it (numbered), or on_error (-1) with the reason when the judge failed it.
+    for row in rows:
+        meta = row["metadata"]
+        assert row["reward"] == pytest.approx(meta["rule_score"] + meta["model_score"]), meta
+        if meta.get("model_error"):
+            assert meta["model_score"] == -1.0, meta
+        else:
+            assert judge.scored[int(meta["model_reply"].split()[0][1:])] == meta["model_score"], meta
+    assert {bool(row["metadata"].get("model_error")) for row in rows} == {True, False}
+    assert "--- judge reply\n#" in show.stdout and "model score " in show.stdout
     assert all(row["turns_text"][0]["role"] == "assistant" for row in rows)
