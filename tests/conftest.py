@@ -26,17 +26,19 @@ def tiny_hf_dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def ray_session():
+def ray_session(request):
     """One local Ray for the whole suite (a second ray.init in the same process would fail).
 
-    Ray workers import the envs tests' helper tools by name, hence tests/envs on their path.
+    Ray workers import by name what the tests import by name (the envs tests' helper tools, a
+    test module's classes pickled by reference), hence pytest.ini's pythonpath on their path.
     """
     import ray
 
     if not ray.is_initialized():
-        envs_tests = str(Path(__file__).resolve().parent / "envs")
+        root = Path(__file__).resolve().parent.parent
+        path = os.pathsep.join(str(root / folder) for folder in request.config.getini("pythonpath"))
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": envs_tests}})
+                 runtime_env={"env_vars": {"PYTHONPATH": path}})
     yield ray
     ray.shutdown()
 

@@ -4,13 +4,16 @@ surrogates; NaN, inf, a string, hang, exit; a judge that times out, answers 500,
 score) cost their samples, never the run or the weights."""
 import json
 import math
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from rlf_train_cli import BIN, env_for, records
 
+# Not in pytest.ini's pythonpath: the folder's sitecustomize.py is for the runs that are handed it.
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "faults"))
 from rlf_judge import FaultyChatJudge, LocalJudge  # noqa: E402
 
