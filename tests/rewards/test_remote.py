@@ -16,7 +16,7 @@ from rlfactory_megatron.rewards.judge import JudgePrompt, ReplyNotParsed, reply_
 from rlfactory_megatron.rewards.remote import RemoteReward
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "trainer" / "faults"))
-from rlf_judge import LocalJudge, chat_completion  # noqa: E402
+from rlf_judge import LocalJudge, chat_completion, faulty_answer  # noqa: E402
 
 TAG = r"<score>\s*([-+]?[0-9]*\.?[0-9]+)\s*</score>"
 
@@ -69,14 +69,8 @@ def test_faults_cost_their_samples_on_error_and_retries_are_counted():
         i = int(re.search(r"r(\d+)", text)[1])
         seen[text] = seen.get(text, 0) + 1
         kind = ("hang", "500", "garbage", "unparsed", "ok", "flaky")[i % 6]
-        if kind == "hang":
-            return 200, chat_completion("<score>1</score>"), 1.0
-        if kind == "500":
-            return 500, "internal error", 0.0
-        if kind == "garbage":
-            return 200, "<html>upstream hiccup</html>", 0.0
-        if kind == "unparsed":
-            return 200, chat_completion("I cannot decide."), 0.0
+        if fault := faulty_answer(kind, 1.0):
+            return fault
         if kind == "flaky" and seen[text] == 1:
             return 503, "busy", 0.0
         return 200, chat_completion(f"<score>{i}</score>"), 0.0

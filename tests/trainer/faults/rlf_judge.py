@@ -72,6 +72,14 @@ def chat_completion(content: str) -> str:
                                     "finish_reason": "stop"}]})
 
 
+def faulty_answer(fault: str, hang_s: float) -> Answer | None:
+    """A chat judge's answer for `fault` (hang | 500 | garbage | unparsed); None for any other."""
+    return {"hang": (200, chat_completion("<score>1</score>"), hang_s),
+            "500": (500, "internal error", 0.0),
+            "garbage": (200, "<html>upstream hiccup</html>", 0.0),
+            "unparsed": (200, chat_completion("I cannot decide."), 0.0)}.get(fault)
+
+
 class FaultyChatJudge:
     """A chat judge that fails a share of requests at random (seeded): hangs `hang_s`, answers 500,
     garbage, or a reply with no score; else a reply "#<n> ... <score>x</score>" whose number and
@@ -91,12 +99,4 @@ class FaultyChatJudge:
             score = self.rng.choice((0.0, 0.25, 0.5, 0.75, 1.0))
             if fault == "ok":
                 self.scored[n] = score
-        if fault == "hang":
-            return 200, chat_completion("<score>1</score>"), self.hang_s
-        if fault == "500":
-            return 500, "internal error", 0.0
-        if fault == "garbage":
-            return 200, "<html>upstream hiccup</html>", 0.0
-        if fault == "unparsed":
-            return 200, chat_completion("I cannot decide."), 0.0
-        return 200, chat_completion(f"#{n} judged. <score>{score}</score>"), 0.0
+        return faulty_answer(fault, self.hang_s) or (200, chat_completion(f"#{n} judged. <score>{score}</score>"), 0.0)
