@@ -8,20 +8,25 @@ how RL-Factory and other batch-synchronous agent loops run), for comparison (`to
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
 
 from rlfactory_megatron.envs.tool_manager import ToolManager, truncate_observation
 from rlfactory_megatron.envs.tools import ToolResult
 
+if TYPE_CHECKING:
+    from rlfactory_megatron.rollout.engines import SamplingConfig
+
 RunTool = Callable[[str, dict[str, Any]], Awaitable[ToolResult]]
 
 
-class RolloutEngine(Protocol):
-    """Served from a batched engine (e.g. vLLM) by `rlfactory_megatron.rollout.async_engine.serving`."""
+class Front(Protocol):
+    """Per-request generation: an engine's asyncio front (`rlfactory_megatron.rollout.fronts.serving`),
+    the router's session that picks the engine, or anything else that answers one request."""
 
-    async def generate(self, prompt_token_ids: list[int], sampling: dict[str, Any]) -> tuple[list[int], list[float]]: ...
+    async def generate(self, prompt_token_ids: list[int], sampling: "SamplingConfig") -> tuple[list[int], list[float]]: ...
 
 
 @dataclass
@@ -97,23 +102,23 @@ class TurnBarrier:
 
 async def run_agent_loop(
     prompt_ids: list[int],
-    engine: RolloutEngine,
+    front: Front,
     manager: ToolManager,
     run_tool: RunTool,
-    sampling: dict[str, Any],
+    sampling: "SamplingConfig",
     config: AgentLoopConfig,
     barrier: TurnBarrier | None = None,
 ) -> Trajectory:
     """Roll out one sample. `run_tool` is `ToolPool.call` (Ray) or `ToolBox.run` (in process);
     `barrier` (shared by the batch's loops) holds the turns in lock-step."""
     try:
-        return await _roll_out(prompt_ids, engine, manager, run_tool, sampling, config, barrier)
+        return await _roll_out(prompt_ids, front, manager, run_tool, sampling, config, barrier)
     finally:
         if barrier is not None:
             barrier.leave()
 
 
-async def _roll_out(prompt_ids, engine, manager, run_tool, sampling, config, barrier) -> Trajectory:
+async def _roll_out(prompt_ids, front, manager, run_tool, sampling, config, barrier) -> Trajectory:
     traj = Trajectory(list(prompt_ids), [], [], [], [], stop_reason="max_turns")
     for turn_index in range(config.max_turns):
         budget = config.max_response_tokens - len(traj.response_ids)
@@ -122,11 +127,10 @@ async def _roll_out(prompt_ids, engine, manager, run_tool, sampling, config, bar
             break
         # Same sampling every turn; only the length cap follows the remaining budget, and a seed
         # moves on per turn (a sample is then a function of its seed, whatever else is in flight).
-        turn_sampling = {**sampling, "max_tokens": min(sampling.get("max_tokens", budget), budget)}
-        if sampling.get("seed") is not None:
-            turn_sampling["seed"] = sampling["seed"] + turn_index
+        turn_sampling = dataclasses.replace(sampling, max_tokens=min(sampling.max_tokens, budget),
+                                            seed=None if sampling.seed is None else sampling.seed + turn_index)
         start = time.perf_counter()
-        ids, logprobs = await engine.generate(traj.prompt_ids + traj.response_ids, turn_sampling)
+        ids, logprobs = await front.generate(traj.prompt_ids + traj.response_ids, turn_sampling)
         ids, logprobs = ids[:budget], list(logprobs[:budget])
         _append(traj, ids, logprobs, trainable=True)
         text = manager.tokenizer.decode(ids)

@@ -172,7 +172,7 @@ def engine_in_its_own_process_fed_by_handles_matches_actor(ctx):
     try:
         batch, engine_lp = _batch(*_prompts_and_samples(engine, seed=1))
         actor.update(batch.with_fields(old_log_probs=engine_lp, advantages=torch.randn(batch.input_ids.shape)))
-        stats = sync_weights(actor.engine, InProcessTransport(engine), 0.5, version=1)
+        stats = sync_weights(actor.megatron, InProcessTransport(engine), 0.5, version=1)
         batch, engine_lp = _batch(*_prompts_and_samples(engine, seed=2))
         gap = (actor.compute_log_probs(batch)["log_probs"].cpu() - engine_lp)[batch.loss_mask > 0].abs().max().item()
     finally:
@@ -293,7 +293,7 @@ def offload_round_trip_frees_the_device_and_is_bit_exact(ctx):
     from rlfactory_megatron.actor.offload import megatron_state
 
     _, _, actor, _ = _trained_actor(ctx.hf_dir, 256, 4, 48)
-    engine = actor.engine
+    engine = actor.megatron
     state = megatron_state(engine.chunks, engine.optimizer)
     before = [t.detach().clone() for kind in ("params", "optimizer") for t in state[kind]]
     allocated = torch.cuda.memory_allocated()
@@ -357,7 +357,7 @@ def engine_level2_sleep_wakes_weights_then_kv_cache_and_serves_the_synced_weight
     torch.cuda.empty_cache()
     freed = (torch.cuda.mem_get_info()[0] - free_awake) / 2**30
     engine.wake_up(["weights"])
-    sync_weights(actor.engine, InProcessTransport(engine), 64, version=1)
+    sync_weights(actor.megatron, InProcessTransport(engine), 64, version=1)
     engine.wake_up(["kv_cache"])
     prompts = [[5, 17, 42, 7], [100, 3, 9, 250]]
     worst = 0.0
@@ -406,11 +406,11 @@ def te_bfloat16_packed_update_from_the_defaults(ctx):
     """The defaults on a GPU (item 1): TE layers in bfloat16 (auto) take packed THD sequences through
     TE's attention, with TE's fused RoPE (item 11); log-probs near float32's, a finite update."""
     cfg, actor = _issue41_actor(ctx)
-    config = actor.engine.modules()[0].config
-    assert cfg.model.params_dtype == "bfloat16" and actor.engine.thd_attention, cfg.model
+    config = actor.megatron.modules()[0].config
+    assert cfg.model.params_dtype == "bfloat16" and actor.megatron.thd_attention, cfg.model
     assert config.apply_rope_fusion and config.bias_activation_fusion, "fusions off on GPU"
     _, reference = _issue41_actor(ctx, "model.params_dtype=float32", "model.layer_spec=local_sdpa")
-    batch = _issue41_batch(actor.engine.arch.vocab_size)
+    batch = _issue41_batch(actor.megatron.arch.vocab_size)
     mine = actor.compute_log_probs(batch)["log_probs"].float().cpu()
     theirs = reference.compute_log_probs(batch)["log_probs"].float().cpu()
     diff = (mine - theirs)[batch.loss_mask > 0].abs().max().item()
@@ -427,11 +427,11 @@ def fp16_update_scales_its_loss(ctx):
     grad_norms = {}
     for dtype in ("bfloat16", "float16"):
         _, actor = _issue41_actor(ctx, f"model.params_dtype={dtype}")
-        batch = _issue41_batch(actor.engine.arch.vocab_size)
+        batch = _issue41_batch(actor.megatron.arch.vocab_size)
         old = actor.compute_log_probs(batch)["log_probs"]
         metrics = actor.update(batch.with_fields(old_log_probs=old - 0.05))
         grad_norms[dtype] = metrics["actor/grad_norm"]
-        scale = float(actor.engine.optimizer.get_loss_scale())
+        scale = float(actor.megatron.optimizer.get_loss_scale())
     ratio = grad_norms["float16"] / grad_norms["bfloat16"]
     assert 0.9 < ratio < 1.1 and scale > 1, (grad_norms, scale)
     return f"grad norm fp16 / bf16 = {ratio:.3f}; loss scale {scale:g}"
@@ -445,16 +445,16 @@ def distributed_optimizer_checkpoint_resumes_exactly(ctx):
         weights = []
         for resume in (False, True):
             _, actor = _issue41_actor(ctx)
-            assert actor.engine.distributed_optimizer
-            batch = _issue41_batch(actor.engine.arch.vocab_size)
+            assert actor.megatron.distributed_optimizer
+            batch = _issue41_batch(actor.megatron.arch.vocab_size)
             batch = batch.with_fields(old_log_probs=actor.compute_log_probs(batch)["log_probs"] - 0.05)
             if resume:
-                actor.engine.load(directory)
+                actor.megatron.load(directory)
             else:
                 actor.update(batch)
-                actor.engine.save(directory)
+                actor.megatron.save(directory)
             actor.update(batch)
-            weights.append({name: t.float().cpu() for name, t in actor.engine.iter_hf_weights()})
+            weights.append({name: t.float().cpu() for name, t in actor.megatron.iter_hf_weights()})
     worst = max((weights[0][name] - weights[1][name]).abs().max().item() for name in weights[0])
     assert worst == 0.0, f"resumed weights differ by {worst}"
     return "bit-identical after resume"

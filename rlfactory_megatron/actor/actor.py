@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from rlfactory_megatron.actor.batch import (MicroBatchPlan, PackedMicroBatch, RolloutBatch, local_cuts, pack_plan,
                                             plan_micro_batches)
-from rlfactory_megatron.actor.engine import MegatronEngine
+from rlfactory_megatron.actor.model import MegatronModel
 from rlfactory_megatron.actor.routing import RoutePass
 from rlfactory_megatron.algorithms import clipped_value_loss, compute_policy_loss, kl_penalty
 from rlfactory_megatron.algorithms.aggregation import aggregate_loss
@@ -166,7 +166,7 @@ class PolicyModel:
         self.temperature = temperature
         self.record_routes = False  # the actor's under routing replay (actor.moe.routing_replay)
         build = replace(build, output_hidden_states=fused_logprob)
-        self.engine = MegatronEngine(arch, hf_dir, build, optim_cfg, total_steps)
+        self.megatron = MegatronModel(arch, hf_dir, build, optim_cfg, total_steps)
 
     def _token_outputs(self, mb: PackedMicroBatch, output: torch.Tensor, entropy: bool,
                        temperature: float | None = None) -> dict[str, torch.Tensor]:
@@ -180,7 +180,7 @@ class PolicyModel:
         if self.fused_logprob:
             # This runs on the last pipeline stage, whose last model chunk produced `output`.
             log_probs, entropies = fused_logprob_entropy(
-                output, lm_output_weight(self.engine.modules()[-1]), mb.targets,
+                output, lm_output_weight(self.megatron.modules()[-1]), mb.targets,
                 tp_group=_parallel().get_tensor_model_parallel_group(), vocab_size=vocab,
                 temperature=temperature,
             )
@@ -203,12 +203,12 @@ class PolicyModel:
             out = self._token_outputs(mb, output, with_entropy)
             return torch.zeros(()), {"rows": mb.rows, **out}
 
-        record = self.record_routes and self.engine.router_taps is not None
-        outputs = self.engine.run(plan, loss_fn, forward_only=True, routes=RoutePass(record=True) if record else None)
+        record = self.record_routes and self.megatron.router_taps is not None
+        outputs = self.megatron.run(plan, loss_fn, forward_only=True, routes=RoutePass(record=True) if record else None)
         keys = ["log_probs"] + (["entropy"] if with_entropy else [])
         result = {key: gather_token_values(batch, outputs, key) for key in keys}
         if record:
-            result["routes"] = gather_routes(batch, self.engine.router_taps.recorded(tuple(batch.input_ids.shape)))
+            result["routes"] = gather_routes(batch, self.megatron.router_taps.recorded(tuple(batch.input_ids.shape)))
         return result
 
 
@@ -299,10 +299,10 @@ class Actor(PolicyModel):
                              f"actor.mini_batch_size={self.cfg.mini_batch_size})")
         if self.cfg.kl_loss_coef > 0 and batch.ref_log_probs is None:
             raise ValueError("actor.kl_loss_coef > 0 needs ref_log_probs on the batch")
-        taps = self.engine.router_taps
+        taps = self.megatron.router_taps
         if taps is not None:
             taps.reset_metrics()
-        metrics = _run_updates(self.engine, batch, self.cfg.ppo_epochs, self.cfg.mini_batch_size, self.max_tokens,
+        metrics = _run_updates(self.megatron, batch, self.cfg.ppo_epochs, self.cfg.mini_batch_size, self.max_tokens,
                                partial(self._loss_fn, tis_cap=tis_cap), prefix="actor", token_outputs=token_outputs,
                                replay_routes=self.record_routes)
         if taps is not None:
@@ -326,7 +326,7 @@ class Actor(PolicyModel):
 
     def sft_update(self, batch: RolloutBatch) -> dict[str, float]:
         """One supervised optimizer step on the whole batch: token-mean NLL of the loss-mask tokens."""
-        return _run_updates(self.engine, batch, 1, batch.batch_size, self.max_tokens,
+        return _run_updates(self.megatron, batch, 1, batch.batch_size, self.max_tokens,
                             self._sft_loss_fn, prefix="sft")
 
 
@@ -339,7 +339,7 @@ class Critic:
         self.actor_cfg = actor_cfg
         self.norm_length = norm_length  # seq-mean-token-sum-norm's constant (the actor's)
         self.max_tokens = actor_cfg.max_tokens_per_microbatch
-        self.engine = MegatronEngine(arch, hf_dir, replace(build, value_head=True), critic_cfg.optim, total_steps)
+        self.megatron = MegatronModel(arch, hf_dir, replace(build, value_head=True), critic_cfg.optim, total_steps)
 
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
         plan = _plan(batch, self.max_tokens)
@@ -347,7 +347,7 @@ class Critic:
         def loss_fn(mb: PackedMicroBatch, values: torch.Tensor):
             return torch.zeros(()), {"rows": mb.rows, "values": mb.unpack(values[..., 0])}
 
-        return gather_token_values(batch, self.engine.run(plan, loss_fn, forward_only=True), "values")
+        return gather_token_values(batch, self.megatron.run(plan, loss_fn, forward_only=True), "values")
 
     def _loss_fn(self, mini: RolloutBatch, plan: MicroBatchPlan):
         mode = self.actor_cfg.loss_agg_mode
@@ -377,7 +377,7 @@ class Critic:
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         if batch.values is None or batch.returns is None:
             raise ValueError("critic update needs values (from compute_values) and returns on the batch")
-        return _run_updates(self.engine, batch, self.cfg.ppo_epochs, self.actor_cfg.mini_batch_size,
+        return _run_updates(self.megatron, batch, self.cfg.ppo_epochs, self.actor_cfg.mini_batch_size,
                             self.max_tokens, self._loss_fn, prefix="critic")
 
 
@@ -386,7 +386,7 @@ class Critic:
 _SHARE_METRICS = ("pg_loss", "kl_loss", "entropy", "vf_loss", "sft/loss")
 
 
-def _run_updates(engine: MegatronEngine, batch: RolloutBatch, epochs: int, mini_size: int, max_tokens: int,
+def _run_updates(megatron: MegatronModel, batch: RolloutBatch, epochs: int, mini_size: int, max_tokens: int,
                  make_loss_fn, prefix: str, token_outputs: list | None = None,
                  replay_routes: bool = False) -> dict[str, float]:
     """Optimizer steps over `epochs` x mini-batches; returns the metrics averaged over tokens
@@ -405,7 +405,7 @@ def _run_updates(engine: MegatronEngine, batch: RolloutBatch, epochs: int, mini_
             computed += len(plan.micro_batches) * plan.padded_length
             # Routes on the batch (routing replay): each token takes them in every forward.
             routes = RoutePass(replay=mini.routes) if replay_routes and mini.routes is not None else None
-            step = engine.train_step(plan, make_loss_fn(mini, plan), routes)
+            step = megatron.train_step(plan, make_loss_fn(mini, plan), routes)
             updates += 1
             if step["skipped"]:
                 skipped += 1
@@ -439,9 +439,9 @@ def _run_updates(engine: MegatronEngine, batch: RolloutBatch, epochs: int, mini_
                for k, v in zip(keys[0], values[:-3])}
     # What the packing saves: sequence tokens vs positions computed (all steps, all DP ranks).
     metrics[f"{prefix}/real_tokens"], metrics[f"{prefix}/computed_tokens"] = float(values[-2]), float(values[-1])
-    # Over the optimizer steps taken: a skipped one's norm is not finite (see MegatronEngine.train_step).
+    # Over the optimizer steps taken: a skipped one's norm is not finite (see MegatronModel.train_step).
     metrics[f"{prefix}/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
     metrics[f"{prefix}/skipped_steps"] = float(skipped)
-    metrics[f"{prefix}/lr"] = engine.optimizer.param_groups[0]["lr"]
+    metrics[f"{prefix}/lr"] = megatron.optimizer.param_groups[0]["lr"]
     metrics[f"{prefix}/tokens_per_s"] = total_tokens / (time.perf_counter() - start)
     return metrics

@@ -51,15 +51,15 @@ class Learner:
         self.correction = correction_settings(cfg.actor.rollout_correction, asynchronous=asynchronous)
         # The models whose state waits in host memory while colocated engines generate
         # (actor.offload: the actor and its reference; critic.offload).
-        self.offloaded = [model.engine for model, on in ((self.actor, cfg.actor.offload),
+        self.offloaded = [model.megatron for model, on in ((self.actor, cfg.actor.offload),
                                                          (self.reference, cfg.actor.offload),
                                                          (self.critic, cfg.critic.offload)) if model is not None and on]
 
     def to_host(self, keep_actor_params: bool = False) -> None:
         """The state the offload keys name goes to host memory (the device is about to be the
         engines'); `keep_actor_params`: the actor's parameters stay for a weight sync."""
-        for engine in self.offloaded:
-            engine.offload(keep_params=keep_actor_params and engine is self.actor.engine)
+        for megatron in self.offloaded:
+            megatron.offload(keep_params=keep_actor_params and megatron is self.actor.megatron)
 
     def train(self, batch: RolloutBatch, engine_log_probs: torch.Tensor, engine_versions: torch.Tensor,
               scores: Callable[[], Sequence[float]], version: int) -> TrainResult:
@@ -137,14 +137,14 @@ class Learner:
     def _stop_if_diverging(self, metrics: dict[str, float], scores: Sequence[float]) -> None:
         """Raise once trainer.max_skipped_updates optimizer steps in a row were skipped for
         non-finite numbers (each skip applied nothing): the run would otherwise go on untrained."""
-        from rlfactory_megatron.actor.engine import NonFiniteError
+        from rlfactory_megatron.actor.model import NonFiniteError
 
         limit = self.cfg.trainer.max_skipped_updates
         for name, model in (("actor", self.actor), ("critic", self.critic)):
-            if model is not None and model.engine.skipped_in_a_row >= limit:
+            if model is not None and model.megatron.skipped_in_a_row >= limit:
                 shown = {k: metrics[k] for k in (f"{name}/pg_loss", f"{name}/vf_loss", f"{name}/grad_norm") if k in metrics}
                 raise NonFiniteError(
-                    f"{name}: the last {model.engine.skipped_in_a_row} optimizer steps had a non-finite loss or "
+                    f"{name}: the last {model.megatron.skipped_in_a_row} optimizer steps had a non-finite loss or "
                     f"gradient and were skipped ({', '.join(f'{k}={v:g}' for k, v in shown.items())}; this step's "
                     f"rewards {'are all finite' if np.isfinite(scores).all() else 'hold non-finite values'}); "
                     f"lower actor.optim.lr or raise trainer.max_skipped_updates={limit}")

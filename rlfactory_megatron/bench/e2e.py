@@ -233,8 +233,8 @@ def _run_ours_rank(config_file: str, hf_dir: str, warmup: int) -> SideResult:
     trainer = None
     try:
         trainer = Trainer(cfg, hf_dir)
-        engines = trainer.fleet.router.engines if trainer.fleet.router is not None else []
-        stepped = lambda: sum(getattr(engine, "steps", 0) for engine in engines)  # noqa: E731
+        fronts = trainer.fleet.router.fronts if trainer.fleet.router is not None else []
+        stepped = lambda: sum(getattr(front, "steps", 0) for front in fronts)  # noqa: E731
         for step in range(cfg.trainer.total_steps):
             start, steps_before = time.perf_counter(), stepped()
             metrics = trainer.step()
@@ -242,7 +242,7 @@ def _run_ours_rank(config_file: str, hf_dir: str, warmup: int) -> SideResult:
             if step < warmup:
                 continue
             # Forward passes are counted on one rank: at more ranks this one's engine sees only its share.
-            if any(hasattr(engine, "steps") for engine in engines) and torch.distributed.get_world_size() == 1:
+            if any(hasattr(front, "steps") for front in fronts) and torch.distributed.get_world_size() == 1:
                 result.engine_steps.append(stepped() - steps_before)
             rows = cfg.trainer.prompts_per_step * cfg.rollout.n
             result.step_s.append(wall)

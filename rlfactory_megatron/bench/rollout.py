@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
@@ -28,26 +29,27 @@ SYNC_REPEATS = 5  # timed syncs per engine count
 
 def _generate(engines, prompts: list[list[int]], max_tokens: int, seed: int) -> dict:
     """All prompts at once through a router over `engines`: tokens/s and each engine's busy time."""
-    from rlfactory_megatron.rollout.async_engine import serving
+    from rlfactory_megatron.rollout.engines import SamplingConfig
+    from rlfactory_megatron.rollout.fronts import serving
     from rlfactory_megatron.rollout.router import EngineRouter
 
     router = EngineRouter([serving(engine) for engine in engines])
-    sampling = {"temperature": 1.0, "max_tokens": max_tokens}
+    sampling = SamplingConfig(temperature=1.0, max_tokens=max_tokens)
 
     async def run():
         try:
-            outs = await asyncio.gather(*(router.session().generate(p, {**sampling, "seed": seed + i})
+            outs = await asyncio.gather(*(router.session().generate(p, dataclasses.replace(sampling, seed=seed + i))
                                           for i, p in enumerate(prompts)))
             return outs
         finally:
-            for engine in router.engines:
-                await engine.close()
+            for front in router.fronts:
+                await front.close()
 
     start = time.perf_counter()
     outs = asyncio.run(run())
     seconds = time.perf_counter() - start
     tokens = sum(len(ids) for ids, _ in outs)
-    busy = [engine.busy_s for engine in router.engines]
+    busy = [front.busy_s for front in router.fronts]
     return {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
             "engine_busy_s": [round(b, 3) for b in busy],
             "imbalance": round(max(busy) / max(sum(busy) / len(busy), 1e-9), 3),
@@ -79,7 +81,7 @@ def main(argv: list[str]) -> int:
     import ray
     import torch
 
-    from rlfactory_megatron.actor.engine import MegatronEngine
+    from rlfactory_megatron.actor.model import MegatronModel
     from rlfactory_megatron.models.builder import BuildOptions
     from rlfactory_megatron.models.hf_arch import load_arch
     from rlfactory_megatron.models.tiny import make_tiny_hf_model
@@ -102,7 +104,7 @@ def main(argv: list[str]) -> int:
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(10, 4000, (args.prompts, args.prompt_tokens), generator=gen).tolist()
     _generate(engines, prompts[:4], 8, seed=1)  # warm-up: first calls allocate
-    actor = MegatronEngine(load_arch(hf_dir), hf_dir, BuildOptions())
+    actor = MegatronModel(load_arch(hf_dir), hf_dir, BuildOptions())
     runs = {1: [], 2: []}
     syncs = {1: [], 2: []}
     for round_index in range(args.rounds):

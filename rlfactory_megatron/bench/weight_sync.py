@@ -39,7 +39,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
 
-    from rlfactory_megatron.actor.engine import MegatronEngine
+    from rlfactory_megatron.actor.model import MegatronModel
     from rlfactory_megatron.models.builder import BuildOptions
     from rlfactory_megatron.models.hf_arch import load_arch
     from rlfactory_megatron.models.hf_checkpoint import write_safetensors_shards
@@ -57,7 +57,7 @@ def main(argv: list[str]) -> int:
                        head_dim=64, vocab_size=args.vocab)
     init_distributed(ParallelSizes(1, 1), launch=ALONE)
     arch = load_arch(hf_dir)
-    actor = MegatronEngine(arch, hf_dir, BuildOptions())
+    actor = MegatronModel(arch, hf_dir, BuildOptions())
     engine = VLLMEngine(hf_dir, max_model_len=256, max_num_seqs=4, memory_utilization=0.35)
     other = VLLMEngine(hf_dir, max_model_len=256, max_num_seqs=4, memory_utilization=0.35, in_process=False)
     params = sum(p.numel() for m in actor.modules() for p in m.parameters())

@@ -22,6 +22,9 @@ from rlfactory_megatron.runtime.reaper import Reaper, descendants, new_children
 
 @dataclass(frozen=True)
 class SamplingConfig:
+    """How an engine samples, in one form from the config (`from_rollout_config`) through the
+    agent loop, the router and the fronts to the engine. Hashable: fronts batch requests by it."""
+
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
@@ -31,12 +34,16 @@ class SamplingConfig:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
 
+    def __post_init__(self) -> None:
+        for name in ("stop", "stop_token_ids"):  # lists (from YAML or JSON) as tuples
+            object.__setattr__(self, name, tuple(getattr(self, name) or ()))
+
     @classmethod
-    def from_rollout_config(cls, cfg, **overrides) -> "SamplingConfig":
-        base = dict(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                    max_tokens=cfg.max_response_tokens, stop=tuple(cfg.stop))
-        base.update(overrides)
-        return cls(**base)
+    def from_rollout_config(cls, rollout, greedy: bool = False, **overrides) -> "SamplingConfig":
+        """One request's sampling from the `rollout` config section: one sample (rollout.n is the
+        agent loop's fan-out, one coroutine per sample); `greedy`: validation's, temperature 0."""
+        return cls(temperature=0.0 if greedy else rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
+                   max_tokens=rollout.max_response_tokens, stop=tuple(rollout.stop), **overrides)
 
 
 @dataclass
@@ -199,7 +206,7 @@ class VLLMEngine:
         return [[_generation(completion) for completion in output.outputs] for output in outputs]
 
     # Streaming: requests join and leave the running batch between engine steps (what
-    # `rollout.async_engine.StreamingEngine` drives). Not thread-safe, like `generate`: one caller.
+    # `rollout.async_engine.StreamingFront` drives). Not thread-safe, like `generate`: one caller.
 
     def submit(self, request_id: str, prompt: list[int], sampling: SamplingConfig) -> None:
         """Adds one request (of `sampling.n == 1`, seeded by `sampling.seed`) to the running batch."""

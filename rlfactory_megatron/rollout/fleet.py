@@ -27,29 +27,31 @@ ENGINE_PING_TIMEOUT_S = 120
 
 @dataclass(frozen=True)
 class EngineLayout:
-    """Which training ranks own an engine: the first of each group of `rollout_tp` ranks."""
+    """Which training ranks generate (the producers: each drives engines and runs agent loops on
+    them): the first of each group of `rollout_tp` ranks (colocated, each owns one engine)."""
 
     world: int
     rollout_tp: int
     rank: int
 
     @property
-    def num_engines(self) -> int:
+    def num_producers(self) -> int:
         return self.world // self.rollout_tp
 
     @property
-    def engine_index(self) -> int | None:
-        """This rank's engine, or None when another rank of its group owns it."""
+    def producer(self) -> int | None:
+        """This rank's index among the producers, or None when it does not generate."""
         return self.rank // self.rollout_tp if self.rank % self.rollout_tp == 0 else None
 
     @property
     def owners(self) -> list[int]:
-        return [engine * self.rollout_tp for engine in range(self.num_engines)]
+        """The producers' ranks."""
+        return [producer * self.rollout_tp for producer in range(self.num_producers)]
 
-    def share(self, count: int, engine: int) -> range:
-        """The contiguous part of `count` prompts that `engine` generates."""
-        n = self.num_engines
-        return range(engine * count // n, (engine + 1) * count // n)
+    def share(self, count: int, producer: int) -> range:
+        """The contiguous part of `count` prompts that `producer` generates."""
+        n = self.num_producers
+        return range(producer * count // n, (producer + 1) * count // n)
 
 
 class EngineFleet:
@@ -83,7 +85,7 @@ class EngineFleet:
     @property
     def generates(self) -> bool:
         """Whether this process drives engines (and runs the agent loops on them)."""
-        return self.layout.engine_index is not None
+        return self.layout.producer is not None
 
     # ------------------------------------------------------------------ the event loop
     def run(self, coroutine: Coroutine) -> Any:
@@ -110,7 +112,7 @@ class EngineFleet:
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS")
             per_engine = self.cfg.tools.num_workers + self.cfg.reward.num_workers
-            needed = per_engine * self.layout.num_engines + 1
+            needed = per_engine * self.layout.num_producers + 1
             if self.disaggregated:
                 needed += self.cfg.rollout.num_engines * self.cfg.rollout.tp
             with _engine_gpus_only(self.disaggregated and not address, self.layout.world) as gpus:
@@ -141,7 +143,7 @@ class EngineFleet:
         import ray
 
         from rlfactory_megatron.config import weight_sync_transport
-        from rlfactory_megatron.rollout.async_engine import serving
+        from rlfactory_megatron.rollout.fronts import serving
         from rlfactory_megatron.rollout.engines import build_engine
         from rlfactory_megatron.rollout.router import EngineRouter
         from rlfactory_megatron.rollout.weight_sync import TRANSPORTS
@@ -226,7 +228,7 @@ class EngineFleet:
         ends the run instead of failing forever."""
         import ray
 
-        from rlfactory_megatron.rollout.async_engine import serving
+        from rlfactory_megatron.rollout.fronts import serving
 
         self._check_pool_alive()
         failed = dict(self.router.failed)
@@ -241,7 +243,7 @@ class EngineFleet:
                 ray.kill(self.pool[index].actor, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
                 pass
-            self.run(self.router.engines[index].close())
+            self.run(self.router.fronts[index].close())
             self._replaced += 1
             self.pool[index] = self._new_pool_engine(index, self._replaced)
             self.router.revive(index, serving(self.pool[index]))
@@ -307,8 +309,8 @@ class EngineFleet:
     def close(self) -> None:
         if self.router is None:
             return
-        for engine in self.router.engines:  # their batching tasks end with the loop
-            self.run(engine.close())
+        for front in self.router.fronts:  # their batching tasks end with the loop
+            self.run(front.close())
         if self._loop_thread is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._loop_thread.join(timeout=30)
@@ -340,7 +342,7 @@ def _engine_died(exc: BaseException) -> bool:
     its Ray actor died, or the vLLM engine inside failed a step while the actor lives on."""
     from ray.exceptions import RayActorError
 
-    from rlfactory_megatron.rollout.async_engine import EngineStepError
+    from rlfactory_megatron.rollout.fronts import EngineStepError
 
     return isinstance(exc, (RayActorError, EngineStepError))
 

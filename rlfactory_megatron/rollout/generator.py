@@ -9,6 +9,7 @@ many engines generate them.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 from typing import Callable
 
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 
 from rlfactory_megatron.actor.batch import RolloutBatch, dp_row_owners, pad_rows
+from rlfactory_megatron.rollout.engines import SamplingConfig
 from rlfactory_megatron.rollout.fleet import EngineFleet
 from rlfactory_megatron.rollout.prompts import PromptRecord, fit_prompt
 from rlfactory_megatron.rollout.rows import PendingRollout, Rollouts, RowData, RowSummary, TrainRows, tool_errors
@@ -76,11 +78,11 @@ class RolloutGenerator:
         from rlfactory_megatron.envs.storage.topology import Topology, detect_topology
 
         layout = self.fleet.layout
-        if layout.num_engines == layout.world:
+        if layout.num_producers == layout.world:
             return detect_topology()
 
-        return Topology(rank=layout.engine_index, world=layout.num_engines, backend="torch",
-                        allgather=lambda obj: self.collectives.gather(obj, self.owner_group, layout.num_engines))
+        return Topology(rank=layout.producer, world=layout.num_producers, backend="torch",
+                        allgather=lambda obj: self.collectives.gather(obj, self.owner_group, layout.num_producers))
 
     def _open_cache(self) -> None:
         """The run's HDF5 cache (cache.dir, default <output_dir>/cache): every step's trajectories
@@ -175,53 +177,51 @@ class RolloutGenerator:
         records, step, greedy, first_row = pending.records, pending.step, pending.greedy, pending.first_row
         n = self.samples_per_prompt(greedy)
         layout, router = self.fleet.layout, self.fleet.router
-        share = layout.share(len(records), layout.engine_index)
+        share = layout.share(len(records), layout.producer)
         mine = [i * n + k for i in share for k in range(n)]
 
         cfg = self.cfg
         loop_cfg = AgentLoopConfig(max_turns=cfg.tools.max_turns if cfg.tools.enable else 1,
                                    max_response_tokens=cfg.rollout.max_response_tokens,
                                    tool_response_max_tokens=cfg.tools.tool_response_max_tokens)
-        sampling = {"temperature": 0.0 if greedy else cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
-                    "top_k": cfg.rollout.top_k, "max_tokens": cfg.rollout.max_response_tokens,
-                    "stop": list(cfg.rollout.stop), "stop_token_ids": self.manager.stop_token_ids()}
+        sampling = SamplingConfig.from_rollout_config(cfg.rollout, greedy, stop_token_ids=self.manager.stop_token_ids())
         prompts = {i: fit_prompt(self.manager.render_prompt(records[i].messages, self.tool_schemas),
                                  cfg.rollout.max_prompt_tokens, cfg.rollout.truncation, records[i].origin)
                    for i in sorted({row // n for row in mine})}
         run_tool = self.tool_pool.call if self.tool_pool is not None else None
 
         sessions = {row: router.session() for row in mine}  # each trajectory stays on one engine
-        engines = router.engines
-        busy_before = [engine.busy_s for engine in engines]
+        fronts = router.fronts
+        busy_before = [front.busy_s for front in fronts]
         barrier = TurnBarrier(len(mine)) if cfg.tools.turn_schedule == "lockstep" else None
         trajectories = await asyncio.gather(*(
             run_agent_loop(prompts[row // n], sessions[row], self.manager, run_tool,
-                           sampling if greedy else {**sampling, "seed": self.sample_seed(step, first_row + row)},
+                           sampling if greedy else dataclasses.replace(sampling, seed=self.sample_seed(step, first_row + row)),
                            loop_cfg, barrier)
             for row in mine))
         local, summaries, versions = {}, [], {}
-        generated = [0] * len(engines)
+        generated = [0] * len(fronts)
         # Counted from this phase's own calls: with batches generating ahead (asynchronous RL) an
         # engine's counters also move for the other batches in flight.
-        requests = [0] * len(engines)
-        newest = [-1] * len(engines)  # the newest weights each engine generated this phase's tokens with
+        requests = [0] * len(fronts)
+        newest = [-1] * len(fronts)  # the newest weights each engine generated this phase's tokens with
         for row, traj in zip(mine, trajectories):
             text = self.tokenizer.decode([t for t, m in zip(traj.response_ids, traj.loss_mask) if m])
             local[row] = (traj, text)
             versions[row] = sessions[row].token_versions(sum(traj.loss_mask))
-            summaries.append(RowSummary(row, layout.engine_index, len(traj.prompt_ids), len(traj.response_ids),
+            summaries.append(RowSummary(row, layout.producer, len(traj.prompt_ids), len(traj.response_ids),
                                         len(traj.turns), sum(len(turn.tool_calls) for turn in traj.turns),
                                         tool_errors(traj), {v: versions[row].count(v) for v in sorted(set(versions[row]))}))
-            for engine, version, tokens in sessions[row].calls:
-                generated[engine] += tokens
-                requests[engine] += 1
-                newest[engine] = max(newest[engine], version)
+            for index, version, tokens in sessions[row].calls:
+                generated[index] += tokens
+                requests[index] += 1
+                newest[index] = max(newest[index], version)
         stats = [{"requests": float(calls), "generated_tokens": float(tokens),
-                  "busy_s": engine.busy_s - busy,
+                  "busy_s": front.busy_s - busy,
                   "weight_version": float(version if version >= 0 else router.version),
                   "failed": float(index in router.failed)}
-                 for index, (engine, busy, calls, tokens, version)
-                 in enumerate(zip(engines, busy_before, requests, generated, newest))]
+                 for index, (front, busy, calls, tokens, version)
+                 in enumerate(zip(fronts, busy_before, requests, generated, newest))]
         return local, summaries, stats, versions
 
     def place(self, rollouts: Rollouts) -> TrainRows:

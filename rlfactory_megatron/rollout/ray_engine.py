@@ -50,7 +50,7 @@ class VLLMEngineHost:
     """The body of the Ray actor: one VLLMEngine plus the receiving end of the weight group.
 
     An async actor: `stream` calls run at once on its event loop, all through one
-    StreamingEngine that steps the engine in a thread of its own, so a call that arrives joins the
+    StreamingFront that steps the engine in a thread of its own, so a call that arrives joins the
     running batch at the next step. The plain methods (weight loading among them) run between
     streams: the router pauses engine calls for a weight sync, and under partial rollout
     `interrupt`s the requests under way first (they go on as new requests on the new weights)."""
@@ -61,13 +61,13 @@ class VLLMEngineHost:
         workers = [torch.device("cuda", r) for r in range(engine_kwargs.get("tensor_parallel_size", 1))]
         self.engine = VLLMEngine(hf_dir, in_process=True, **engine_kwargs,
                                  staging_devices=workers if self.device.type == "cuda" else None)
-        self.front = None  # the StreamingEngine, made by the first stream or interrupt
+        self.front = None  # the StreamingFront, made by the first stream or interrupt
         self.group = None
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seeds=None) -> list[list[Generation]]:
         return self.engine.generate(prompts, sampling, seeds)
 
-    async def stream(self, prompts: list[list[int]], samplings: list[dict]):
+    async def stream(self, prompts: list[list[int]], samplings: list[SamplingConfig]):
         """Yields `(index, (token_ids, log_probs))` as each request finishes, or `(index, exception)`
         for a request the engine refused; a cancelled call aborts its unfinished requests."""
         import asyncio
@@ -89,14 +89,14 @@ class VLLMEngineHost:
                 request.cancel()
 
     def _front(self):
-        from rlfactory_megatron.rollout.async_engine import StreamingEngine
+        from rlfactory_megatron.rollout.fronts import StreamingFront
 
         if self.front is None:
-            self.front = StreamingEngine(self.engine)
+            self.front = StreamingFront(self.engine)
         return self.front
 
     async def interrupt(self) -> None:
-        """Ends the requests in the engine after its current step (partial rollout); see StreamingEngine."""
+        """Ends the requests in the engine after its current step (partial rollout); see StreamingFront."""
         await self._front().interrupt()
 
     async def release(self) -> None:
@@ -157,9 +157,9 @@ class RayVLLMEngine:
     def generate(self, prompts, sampling, seeds=None):
         return self._ray.get(self.actor.generate.remote(prompts, sampling, seeds))
 
-    async def stream(self, prompts: list[list[int]], samplings: list[dict]):
+    async def stream(self, prompts: list[list[int]], samplings: list[SamplingConfig]):
         """`(index, result)` as each request finishes in the actor (one call, streamed returns);
-        see `async_engine.RemoteStreamingEngine`. Leaving early cancels the call."""
+        see `fronts.RemoteFront`. Leaving early cancels the call."""
         returns = self.actor.stream.options(num_returns="streaming").remote(prompts, samplings)
         complete = False
         try:

@@ -18,16 +18,12 @@ session records for the tokens that call generated.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable, Protocol
+import dataclasses
+from typing import Callable
 
-from rlfactory_megatron.rollout.async_engine import EngineStepError, GenerationInterrupted, sampling_config
-
-
-class AsyncEngine(Protocol):
-    requests: int
-    busy_s: float
-
-    async def generate(self, prompt_token_ids: list[int], sampling: dict[str, Any]) -> tuple[list[int], list[float]]: ...
+from rlfactory_megatron.envs.agent_loop import Front
+from rlfactory_megatron.rollout.engines import SamplingConfig
+from rlfactory_megatron.rollout.fronts import EngineStepError, GenerationInterrupted
 
 
 def error_line(exc: BaseException) -> str:
@@ -41,16 +37,17 @@ class EngineFailedError(RuntimeError):
 
 
 class EngineRouter:
-    """`is_failure(exc)`: whether an error from an engine means the engine is gone (its requests
+    """Routes requests among engines through their fronts (`fronts[i]` serves engine i).
+    `is_failure(exc)`: whether an error from an engine means the engine is gone (its requests
     go elsewhere) rather than a bad request (the caller sees it)."""
 
-    def __init__(self, engines: list[AsyncEngine], is_failure: Callable[[BaseException], bool] = lambda exc: False):
-        if not engines:
+    def __init__(self, fronts: list[Front], is_failure: Callable[[BaseException], bool] = lambda exc: False):
+        if not fronts:
             raise ValueError("a router needs at least one engine")
-        self.engines = engines
+        self.fronts = fronts
         self.is_failure = is_failure
-        self.outstanding = [0] * len(engines)  # requests in flight per engine
-        self.generated = [0] * len(engines)  # tokens generated per engine (the tie-break)
+        self.outstanding = [0] * len(fronts)  # requests in flight per engine
+        self.generated = [0] * len(fronts)  # tokens generated per engine (the tie-break)
         self.failed: dict[int, str] = {}  # engine -> why, until revived
         self.version = 0  # the weight version every engine serves (set by the owner after a sync)
         self._running = 0  # engine calls under way (not those waiting for a resume)
@@ -65,7 +62,7 @@ class EngineRouter:
         return Session(self)
 
     def least_loaded(self) -> int:
-        alive = [i for i in range(len(self.engines)) if i not in self.failed]
+        alive = [i for i in range(len(self.fronts)) if i not in self.failed]
         if not alive:
             raise EngineFailedError("every rollout engine failed: " + "; ".join(
                 f"engine {i}: {why}" for i, why in sorted(self.failed.items())))
@@ -74,9 +71,9 @@ class EngineRouter:
     def fail(self, index: int, exc: BaseException) -> None:
         self.failed.setdefault(index, error_line(exc))
 
-    def revive(self, index: int, engine: AsyncEngine) -> None:
-        """`engine` serves in place of failed engine `index` from now on."""
-        self.engines[index] = engine
+    def revive(self, index: int, front: Front) -> None:
+        """`front`'s engine serves in place of failed engine `index` from now on."""
+        self.fronts[index] = front
         self.failed.pop(index, None)
 
     def _events(self) -> tuple[asyncio.Event, asyncio.Event]:
@@ -96,24 +93,24 @@ class EngineRouter:
         opened.clear()
         self._pauses += 1
         if interrupt:
-            self._interrupted = [i for i, engine in enumerate(self.engines)
-                                 if i not in self.failed and callable(getattr(engine, "interrupt", None))]
+            self._interrupted = [i for i, front in enumerate(self.fronts)
+                                 if i not in self.failed and callable(getattr(front, "interrupt", None))]
             # A dead engine's interrupt fails; its calls fail too and go to the other engines.
-            await asyncio.gather(*(self.engines[i].interrupt() for i in self._interrupted), return_exceptions=True)
+            await asyncio.gather(*(self.fronts[i].interrupt() for i in self._interrupted), return_exceptions=True)
         await idle.wait()
 
     async def resume(self, version: int) -> None:
         """Calls go on, on weights of `version`."""
         self.version = version
         interrupted, self._interrupted = self._interrupted, []
-        released = await asyncio.gather(*(self.engines[i].release() for i in interrupted), return_exceptions=True)
+        released = await asyncio.gather(*(self.fronts[i].release() for i in interrupted), return_exceptions=True)
         for index, outcome in zip(interrupted, released):
             if isinstance(outcome, Exception) and index not in self.failed:
                 self.fail(index, outcome)  # it would cut every later request: its requests go elsewhere
         self._events()[0].set()
 
     async def generate_on(self, index: int, prompt_token_ids: list[int],
-                          sampling: dict[str, Any]) -> tuple[list[int], list[float], list[tuple[int, int]]]:
+                          sampling: SamplingConfig) -> tuple[list[int], list[float], list[tuple[int, int]]]:
         """(token ids, log-probs, [(weight version, tokens)] of the engine calls that generated
         them: one, or more when weight updates interrupted the request)."""
         opened, idle = self._events()
@@ -130,7 +127,7 @@ class EngineRouter:
                 idle.clear()
                 interrupted = False
                 try:
-                    more, more_log_probs = await self.engines[index].generate(
+                    more, more_log_probs = await self.fronts[index].generate(
                         prompt_token_ids + ids, _continued(sampling, len(ids)))
                 except GenerationInterrupted as cut:
                     if self._pauses == pauses:  # no weight update asked for it: the engine is stuck in one
@@ -144,21 +141,19 @@ class EngineRouter:
                 self.generated[index] += len(more)
                 if more or not interrupted:
                     spans.append((version, len(more)))
-                if not interrupted or len(ids) >= sampling_config(sampling).max_tokens:
+                if not interrupted or len(ids) >= sampling.max_tokens:
                     return ids, log_probs, spans
         finally:
             self.outstanding[index] -= 1
 
 
-def _continued(sampling: dict[str, Any], generated: int) -> dict[str, Any]:
+def _continued(sampling: SamplingConfig, generated: int) -> SamplingConfig:
     """The sampling of a request interrupted after `generated` tokens, for the rest: the tokens
     left, and a seed of its own (the original seed would draw the first tokens' numbers again)."""
     if not generated:
         return sampling
-    rest = {**sampling, "max_tokens": sampling_config(sampling).max_tokens - generated}
-    if rest.get("seed") is not None:
-        rest["seed"] = (rest["seed"] * 1_000_003 + generated) % 2**31
-    return rest
+    seed = None if sampling.seed is None else (sampling.seed * 1_000_003 + generated) % 2**31
+    return dataclasses.replace(sampling, max_tokens=sampling.max_tokens - generated, seed=seed)
 
 
 class Session:
@@ -166,22 +161,22 @@ class Session:
 
     def __init__(self, router: EngineRouter) -> None:
         self.router = router
-        self.engine: int | None = None
-        self.calls: list[tuple[int, int, int]] = []  # (engine, weight version, tokens) per engine call, in order
+        self.engine_index: int | None = None  # the engine this trajectory's turns go to
+        self.calls: list[tuple[int, int, int]] = []  # (engine index, weight version, tokens) per engine call, in order
 
-    async def generate(self, prompt_token_ids: list[int], sampling: dict[str, Any]) -> tuple[list[int], list[float]]:
+    async def generate(self, prompt_token_ids: list[int], sampling: SamplingConfig) -> tuple[list[int], list[float]]:
         while True:
-            if self.engine is None or self.engine in self.router.failed:
+            if self.engine_index is None or self.engine_index in self.router.failed:
                 # Chosen and counted before the first await: concurrent first turns spread out.
-                self.engine = self.router.least_loaded()
+                self.engine_index = self.router.least_loaded()
             try:
-                ids, log_probs, spans = await self.router.generate_on(self.engine, prompt_token_ids, sampling)
+                ids, log_probs, spans = await self.router.generate_on(self.engine_index, prompt_token_ids, sampling)
             except Exception as exc:
                 if not self.router.is_failure(exc):
                     raise
-                self.router.fail(self.engine, exc)  # and the request runs again on another engine
+                self.router.fail(self.engine_index, exc)  # and the request runs again on another engine
                 continue
-            self.calls += [(self.engine, version, tokens) for version, tokens in spans]
+            self.calls += [(self.engine_index, version, tokens) for version, tokens in spans]
             return ids, log_probs
 
     def token_versions(self, generated: int) -> list[int]:

@@ -19,7 +19,7 @@ class RowSummary:
     """What every rank knows of one trajectory: where it was made, its size, what it did."""
 
     row: int
-    producer: int  # the generating process that made it and holds it (EngineLayout.engine_index)
+    producer: int  # the generating process that made it and holds it (EngineLayout.producer)
     prompt_tokens: int
     response_tokens: int
     turns: int

@@ -37,14 +37,14 @@ def save_checkpoint(output: Path, step: int, actor, critic, sampler, keep_last: 
     from rlfactory_megatron.models.mcore_checkpoint import write_model_meta
 
     directory = checkpoint_dir(output, step)
-    actor.engine.check_finite("the checkpoint")
-    actor.engine.save(directory / ACTOR_DIR)
+    actor.megatron.check_finite("the checkpoint")
+    actor.megatron.save(directory / ACTOR_DIR)
     if dist.get_rank() == 0:
-        write_model_meta(directory / ACTOR_DIR, actor.engine.arch, hf_dir, actor.engine.modules()[0].vocab_size)
+        write_model_meta(directory / ACTOR_DIR, actor.megatron.arch, hf_dir, actor.megatron.modules()[0].vocab_size)
     if save_hf:
-        _write_hf(actor.engine, directory / HF_DIR, hf_dir)
+        _write_hf(actor.megatron, directory / HF_DIR, hf_dir)
     if critic is not None:
-        critic.engine.save(directory / "critic")
+        critic.megatron.save(directory / "critic")
     if dist.get_rank() == 0:
         for name, data in (files or {}).items():
             (directory / name).write_bytes(data)
@@ -90,8 +90,8 @@ def load_checkpoint(directory: Path, actor, critic, sampler) -> tuple[int, str |
     """Restore models, optimizers, schedulers and the sampler position; returns the step and
     the wandb run id the checkpoint's run logged into (None: none, or an older checkpoint)."""
     state = json.loads((directory / STATE_FILE).read_text())
-    actor.engine.load(directory / ACTOR_DIR)
+    actor.megatron.load(directory / ACTOR_DIR)
     if critic is not None:
-        critic.engine.load(directory / "critic")
+        critic.megatron.load(directory / "critic")
     sampler.load_state_dict(state["sampler"])
     return int(state["step"]), state.get("wandb_run_id")

@@ -61,7 +61,7 @@ def sft_warm_start(actor, rows: list[tuple[list[int], list[int]]], cfg, verbose:
     rng = random.Random(cfg.seed)
     start = time.perf_counter()
     metrics: dict[str, float] = {}
-    with actor.engine.fixed_lr(cfg.sft_lr) as set_lr:
+    with actor.megatron.fixed_lr(cfg.sft_lr) as set_lr:
         for done in range(1, cfg.sft_steps + 1):
             set_lr(sft_lr_at(done, cfg.sft_steps, cfg.sft_lr, cfg.sft_lr_decay_style))
             ids, masks = zip(*(rows[rng.randrange(len(rows))] for _ in range(cfg.sft_batch_size)))

@@ -106,14 +106,14 @@ class Trainer:
         allocator's cached blocks go back, the engines' weights wake, the weights load, and only
         then the KV cache wakes. Returns the seconds spent waiting for batches in flight first
         (asynchronous, no partial rollout)."""
-        self.learner.actor.engine.check_finite("the weight sync")
+        self.learner.actor.megatron.check_finite("the weight sync")
         self.learner.to_host(keep_actor_params=True)
         torch.cuda.empty_cache()  # what training cached, for vLLM to map its weights into
         self.fleet.wake_up(["weights"])
         clock = time.perf_counter()
         self.generator.before_sync()
         waited = time.perf_counter() - clock
-        self.fleet.update_weights(self.learner.actor.engine, self.step_index)
+        self.fleet.update_weights(self.learner.actor.megatron, self.step_index)
         self.learner.to_host()
         torch.cuda.empty_cache()
         self.fleet.wake_up(["kv_cache"])

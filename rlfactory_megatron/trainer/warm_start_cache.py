@@ -85,7 +85,7 @@ class WarmStartCache:
         if dist.get_world_size() > 1:
             dist.broadcast_object_list(record, src=0)
         if record[0] is not None:
-            actor.engine.load(self.entry / "actor")
+            actor.megatron.load(self.entry / "actor")
         return record[0]
 
     def store(self, actor, record: dict) -> None:
@@ -95,7 +95,7 @@ class WarmStartCache:
         partial = self.entry.with_name(f"{self.entry.name}.partial-{hashlib.sha256(self.run.encode()).hexdigest()[:12]}")
         if dist.get_rank() == 0:
             shutil.rmtree(partial, ignore_errors=True)
-        actor.engine.save(partial / "actor")  # collective; it makes the folder
+        actor.megatron.save(partial / "actor")  # collective; it makes the folder
         if dist.get_rank() == 0:
             (partial / COMPLETE_FILE).write_text(json.dumps(record))
             try:

@@ -56,19 +56,19 @@ def update_worker(hf_dir: str, tp: int, pp: int, overrides: dict, perturb_masked
                                       advantages=torch.where(off, junk, batch.advantages),
                                       ref_log_probs=torch.where(off, junk, batch.ref_log_probs))
         if resume_from is not None:
-            actor.engine.load(resume_from)
+            actor.megatron.load(resume_from)
         metrics = actor.update(batch)
         if checkpoint is not None:
-            actor.engine.save(checkpoint)
+            actor.megatron.save(checkpoint)
             metrics = actor.update(batch)
-        weights = dict(actor.engine.iter_hf_weights())
-        optimizers = getattr(actor.engine.optimizer, "chained_optimizers", [actor.engine.optimizer])
+        weights = dict(actor.megatron.iter_hf_weights())
+        optimizers = getattr(actor.megatron.optimizer, "chained_optimizers", [actor.megatron.optimizer])
         return {"metrics": metrics, "weights": weights if torch.distributed.get_rank() == 0 else None,
                 "old_log_probs": old["log_probs"], "entropy": old["entropy"],
                 "optimizer": type(optimizers[0]).__name__,
-                "expert_weights": sum(".local_experts." in name for chunk in actor.engine.chunks
+                "expert_weights": sum(".local_experts." in name for chunk in actor.megatron.chunks
                                       for name, _ in chunk.named_parameters()),
-                "parameters": sum(p.numel() for chunk in actor.engine.modules() for p in chunk.parameters())}
+                "parameters": sum(p.numel() for chunk in actor.megatron.modules() for p in chunk.parameters())}
     finally:
         destroy_distributed()
 
@@ -95,7 +95,7 @@ def on_policy_worker(hf_dir: str, tp: int, pp: int, mini_batch_size: int) -> dic
             except ValueError as err:
                 out[name] = {"error": str(err)}
                 continue
-            out[name] = {"metrics": metrics, "weights": dict(actor.engine.iter_hf_weights())}
+            out[name] = {"metrics": metrics, "weights": dict(actor.megatron.iter_hf_weights())}
             if name == "own_forward":
                 out[name]["update_log_probs"] = update_log_probs
         out["on_policy"] = actor.updates_on_policy(batch.batch_size)
@@ -123,7 +123,7 @@ def _corrected_updates(cfg, arch, hf_dir: str) -> dict:
             metrics = actor.update(batch.with_fields(old_log_probs=old, advantages=batch.advantages * weights))
         else:
             metrics = actor.update(batch.with_fields(engine_log_probs=engine), tis_cap=1.2)
-        out[name] = {"metrics": metrics, "weights": dict(actor.engine.iter_hf_weights())}
+        out[name] = {"metrics": metrics, "weights": dict(actor.megatron.iter_hf_weights())}
     return out
 
 
@@ -167,7 +167,7 @@ def critic_worker(hf_dir: str, tp: int, pp: int, sequence_parallel: bool = False
 def non_finite_worker(hf_dir: str, tp: int, pp: int, poison: str) -> dict:
     """One update whose advantages (or old log-probs) hold a NaN on a trained token, then a clean
     one: the first must leave every weight as it was, the second must move them."""
-    from rlfactory_megatron.actor.engine import NonFiniteError
+    from rlfactory_megatron.actor.model import NonFiniteError
 
     init_distributed(ParallelSizes(tp, pp), seed=7)
     try:
@@ -179,25 +179,25 @@ def non_finite_worker(hf_dir: str, tp: int, pp: int, poison: str) -> dict:
         field = {"advantage": "advantages", "old_log_prob": "old_log_probs"}[poison]
         bad = getattr(batch, field).clone()
         bad[1, 5] = float("nan")
-        before = {k: v.clone() for k, v in actor.engine.iter_hf_weights()}
-        lr_before = actor.engine.optimizer.param_groups[0]["lr"]
+        before = {k: v.clone() for k, v in actor.megatron.iter_hf_weights()}
+        lr_before = actor.megatron.optimizer.param_groups[0]["lr"]
         skipped = actor.update(batch.with_fields(**{field: bad}))
-        after_skip = dict(actor.engine.iter_hf_weights())
+        after_skip = dict(actor.megatron.iter_hf_weights())
         unchanged = all(torch.equal(before[k], after_skip[k]) for k in before)
-        in_a_row = actor.engine.skipped_in_a_row
-        actor.engine.check_finite("the test's sync")
+        in_a_row = actor.megatron.skipped_in_a_row
+        actor.megatron.check_finite("the test's sync")
         taken = actor.update(batch)
-        moved = max((v - before[k]).abs().max().item() for k, v in actor.engine.iter_hf_weights())
+        moved = max((v - before[k]).abs().max().item() for k, v in actor.megatron.iter_hf_weights())
         # Poisoned weights are refused before they are served or saved.
-        next(p for p in actor.engine.modules()[0].parameters()).data[0].fill_(float("nan"))
+        next(p for p in actor.megatron.modules()[0].parameters()).data[0].fill_(float("nan"))
         try:
-            actor.engine.check_finite("the weight sync")
+            actor.megatron.check_finite("the weight sync")
             refused = ""
         except NonFiniteError as exc:
             refused = str(exc)
         return {"skipped": skipped["actor/skipped_steps"], "unchanged": unchanged, "in_a_row": in_a_row,
-                "lr_kept": actor.engine.optimizer.param_groups[0]["lr"] == lr_before,
-                "taken": taken["actor/skipped_steps"], "moved": moved, "reset": actor.engine.skipped_in_a_row,
+                "lr_kept": actor.megatron.optimizer.param_groups[0]["lr"] == lr_before,
+                "taken": taken["actor/skipped_steps"], "moved": moved, "reset": actor.megatron.skipped_in_a_row,
                 "refused": refused}
     finally:
         destroy_distributed()
@@ -222,7 +222,7 @@ def dp_local_update_worker(hf_dir: str, mini_batch_size: int) -> dict:
         old = actor.compute_log_probs(batch, with_entropy=True)
         batch = batch.with_fields(old_log_probs=old["log_probs"] - 0.05, ref_log_probs=old["log_probs"] + 0.1)
         metrics = actor.update(batch)
-        weights = dict(actor.engine.iter_hf_weights())
+        weights = dict(actor.megatron.iter_hf_weights())
         return {"metrics": metrics, "weights": weights if torch.distributed.get_rank() == 0 else None,
                 "rows": mine, "old_log_probs": old["log_probs"]}
     finally:
@@ -281,10 +281,10 @@ def offload_worker(hf_dir: str, tp: int, pp: int, dtype: str, distributed_optimi
             moved, kept = build_model(name), build_model(name)
             for model in (moved, kept):
                 train(name, model)  # Adam's moments exist from here on
-            engine, before = moved.engine, snapshot(moved.engine)
+            engine, before = moved.megatron, snapshot(moved.megatron)
             result = {"bytes": engine.host.resident_bytes()}
             engine.offload(keep_params=True)
-            result["kept_params"] = engine.host.resident_bytes(("params",)) == kept.engine.host.resident_bytes(("params",))
+            result["kept_params"] = engine.host.resident_bytes(("params",)) == kept.megatron.host.resident_bytes(("params",))
             result["freed_rest"] = engine.host.resident_bytes(("grads", "optimizer")) == 0
             result["freed"] = engine.offload() > 0 and engine.host.resident_bytes() == 0
             forward(name, moved)  # a forward pass brings the parameters back alone; an update the rest
@@ -293,11 +293,11 @@ def offload_worker(hf_dir: str, tp: int, pp: int, dtype: str, distributed_optimi
             engine.host.onload()
             result["exact"] = same(before, snapshot(engine))
             result["next_update_same"] = (torch.equal(train(name, moved), train(name, kept))
-                                          and same(snapshot(engine), snapshot(kept.engine)))
+                                          and same(snapshot(engine), snapshot(kept.megatron)))
             out[name] = result
         stage = parallel_state.get_pipeline_model_parallel_rank()
         out["parameters"] = {
-            name: (sum(p.numel() for module in build_model(name).engine.modules() for p in module.parameters()),
+            name: (sum(p.numel() for module in build_model(name).megatron.modules() for p in module.parameters()),
                    arch.parameter_count(tp, pp, stage, value_head=name == "critic")) for name in ("actor", "critic")}
         return out
     finally:
@@ -324,7 +324,7 @@ def saved_activations_worker(hf_dir: str, tokens: int, cp: int = 1) -> dict:
         batch = RolloutBatch(torch.randint(0, arch.vocab_size, (2, tokens // 2), generator=gen),
                              torch.full((2,), tokens // 2), mask, advantages=torch.randn(2, tokens // 2, generator=gen))
         batch = batch.with_fields(old_log_probs=actor.compute_log_probs(batch)["log_probs"])
-        params = {p.untyped_storage().data_ptr() for module in actor.engine.modules() for p in module.parameters()}
+        params = {p.untyped_storage().data_ptr() for module in actor.megatron.modules() for p in module.parameters()}
         saved: dict[int, int] = {}
 
         def pack(tensor):
@@ -365,7 +365,7 @@ def context_parallel_worker(hf_dir: str, tp: int, cp: int, distributed_optimizer
             logits[mb.rows, : mb.gather_index.shape[1]] = (whole[mb.gather_index] * mb.token_valid[..., None]).cpu()
             return torch.zeros(()), {"rows": mb.rows}
 
-        policy.engine.run(_plan(batch, cfg.actor.max_tokens_per_microbatch), keep_logits, forward_only=True)
+        policy.megatron.run(_plan(batch, cfg.actor.max_tokens_per_microbatch), keep_logits, forward_only=True)
         actor = Actor(cfg.actor, arch, hf_dir, BuildOptions(), total_steps=10)
         old = actor.compute_log_probs(batch, with_entropy=True)
         batch = batch.with_fields(old_log_probs=old["log_probs"] - 0.05, ref_log_probs=old["log_probs"] + 0.1)
@@ -381,8 +381,8 @@ def context_parallel_worker(hf_dir: str, tp: int, cp: int, distributed_optimizer
             return {name: p.main_grad.detach().clone() for name, p in engine.modules()[0].named_parameters()}
 
         return {"logits": logits, "log_probs": old["log_probs"], "entropy": old["entropy"], "metrics": metrics,
-                "actor_grads": gradients(actor.engine), "values": values, "critic_metrics": critic_metrics,
-                "critic_grads": gradients(critic.engine)}
+                "actor_grads": gradients(actor.megatron), "values": values, "critic_metrics": critic_metrics,
+                "critic_grads": gradients(critic.megatron)}
     finally:
         destroy_distributed()
 
@@ -398,12 +398,12 @@ def loss_scale_worker(hf_dir: str) -> dict:
         for dtype in ("float32", "float16"):
             actor = Actor(cfg.actor, arch, hf_dir, BuildOptions(params_dtype=dtype), total_steps=10)
             batch = make_batch(arch.vocab_size)
-            before = {k: v.float() for k, v in actor.engine.iter_hf_weights()}
+            before = {k: v.float() for k, v in actor.megatron.iter_hf_weights()}
             old = actor.compute_log_probs(batch)["log_probs"]
             metrics = actor.update(batch.with_fields(old_log_probs=old - 0.05))
-            moved = max((v.float() - before[k]).abs().max().item() for k, v in actor.engine.iter_hf_weights())
+            moved = max((v.float() - before[k]).abs().max().item() for k, v in actor.megatron.iter_hf_weights())
             out[dtype] = {"grad_norm": metrics["actor/grad_norm"], "skipped": metrics["actor/skipped_steps"],
-                          "loss_scale": float(actor.engine.optimizer.get_loss_scale()), "moved": moved}
+                          "loss_scale": float(actor.megatron.optimizer.get_loss_scale()), "moved": moved}
         return out
     finally:
         destroy_distributed()
@@ -423,7 +423,7 @@ def recompute_worker(hf_dir: str) -> dict:
             old = actor.compute_log_probs(batch)["log_probs"]
             metrics = actor.update(batch.with_fields(old_log_probs=old - 0.05))
             out[recompute] = {"grad_norm": metrics["actor/grad_norm"], "pg_loss": metrics["actor/pg_loss"],
-                              "weights": {k: v.clone() for k, v in actor.engine.iter_hf_weights()}}
+                              "weights": {k: v.clone() for k, v in actor.megatron.iter_hf_weights()}}
         return out
     finally:
         destroy_distributed()

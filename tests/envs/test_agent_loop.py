@@ -3,17 +3,19 @@ concurrency, errors and limits. The vLLM end-to-end run lives with the rollout e
 import asyncio
 import json
 import time
+from dataclasses import replace
 
 import pytest
 
 from rlfactory_megatron.envs.agent_loop import AgentLoopConfig, TurnBarrier, run_agent_loop
 from rlfactory_megatron.envs.tool_manager import get_tool_manager
 from rlfactory_megatron.envs.tools import BaseTool, ToolBox, ToolResult, parse_tool_specs
+from rlfactory_megatron.rollout.engines import SamplingConfig
 
 # Bounds on wall time: run alone, after the parallel part of the suite (scripts/test.sh).
 pytestmark = pytest.mark.serial
 
-SAMPLING = {"temperature": 1.0, "top_p": 0.9, "max_tokens": 200}
+SAMPLING = SamplingConfig(temperature=1.0, top_p=0.9, max_tokens=200)
 
 
 class ScriptedEngine:
@@ -24,8 +26,8 @@ class ScriptedEngine:
         self.requests = []
 
     async def generate(self, prompt_token_ids, sampling):
-        self.requests.append((list(prompt_token_ids), dict(sampling)))
-        ids = self.tokenizer.encode(self.replies.pop(0), add_special_tokens=False)[: sampling["max_tokens"]]
+        self.requests.append((list(prompt_token_ids), sampling))
+        ids = self.tokenizer.encode(self.replies.pop(0), add_special_tokens=False)[: sampling.max_tokens]
         return ids, [-0.5] * len(ids)
 
 
@@ -77,7 +79,7 @@ def test_observation_tokens_and_only_they_have_loss_mask_zero(qwen_tokenizer):
     assert full == qwen_tokenizer.decode(traj.prompt_ids + traj.response_ids) + "\n"  # the template's newline after a turn
     # Sampling stays the same across turns; only the length cap follows the remaining budget.
     (_, first), (_, second) = engine.requests
-    assert {k: v for k, v in first.items() if k != "max_tokens"} == {k: v for k, v in second.items() if k != "max_tokens"}
+    assert replace(first, max_tokens=0) == replace(second, max_tokens=0)
     record = traj.turns[0].tool_calls[0]
     assert (record.name, record.arguments, record.observation, record.is_error) == ("calculator", {"expression": "12*7"}, "84", False)
 

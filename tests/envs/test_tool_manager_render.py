@@ -5,6 +5,7 @@ import pytest
 
 from rlfactory_megatron.envs.tool_manager import get_tool_manager, truncate_observation
 from rlfactory_megatron.envs.tools.calculator import CalculatorTool
+from rlfactory_megatron.rollout.engines import SamplingConfig
 
 TOOLS = [CalculatorTool().schema()]
 CASES = {
@@ -86,12 +87,12 @@ def test_a_llama3_turn_ended_by_eom_is_a_tool_call_turn(llama3_tokenizer):
 
     class Scripted:
         async def generate(self, prompt_ids, sampling):
-            assert set(manager.stop_token_ids()) <= set(sampling["stop_token_ids"])
+            assert set(manager.stop_token_ids()) <= set(sampling.stop_token_ids)
             ids = llama3_tokenizer.encode(replies.pop(0), add_special_tokens=False)
             return ids, [-0.1] * len(ids)
 
     prompt = manager.render_prompt([{"role": "user", "content": "What is 12 times 7?"}], box.schemas())
-    sampling = {"temperature": 1.0, "max_tokens": 64, "stop_token_ids": manager.stop_token_ids()}
+    sampling = SamplingConfig(temperature=1.0, max_tokens=64, stop_token_ids=manager.stop_token_ids())
     traj = asyncio.run(run_agent_loop(prompt, Scripted(), manager, box.run, sampling, AgentLoopConfig()))
     assert traj.stop_reason == "answer" and len(traj.turns) == 2
     assert traj.turns[0].tool_calls[0].observation == "84" and not traj.turns[0].parse_errors

@@ -86,10 +86,10 @@ def test_item11_finite_check_reads_the_gradient_buffer_without_copying_it(monkey
     import torch
     import torch.distributed as dist
 
-    from rlfactory_megatron.actor.engine import MegatronEngine
+    from rlfactory_megatron.actor.model import MegatronModel
 
     grad = torch.zeros(1 << 20)
-    engine = object.__new__(MegatronEngine)
+    engine = object.__new__(MegatronModel)
     engine.chunks = [types.SimpleNamespace(buffers=[types.SimpleNamespace(grad_data=grad)])]
     monkeypatch.setattr(dist, "get_world_size", lambda: 1)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:

@@ -124,13 +124,13 @@ def sync_worker(hf_dir: str, tp: int, pp: int, bucket_mb: float, steps: int = 1,
                     engine.weight_names = lambda: {**real(), "model.layers.99.mlp.up_proj.weight": (256, 128)}
                 if cut_after_buckets is not None:  # a sync cut short first: the engine must still serve
                     try:
-                        sync_weights(actor.engine, transport and _CutTransport(transport, cut_after_buckets), bucket_mb)
+                        sync_weights(actor.megatron, transport and _CutTransport(transport, cut_after_buckets), bucket_mb)
                     except ConnectionError as exc:
                         report["cut_error"] = str(exc)
                     report["served_after_cut"] = len(_generate_on_leader(engine, sampling) or [])
                 warnings = _WarningCount("vllm.model_executor.model_loader.reload")
                 try:
-                    stats = sync_weights(actor.engine, transport, bucket_mb)
+                    stats = sync_weights(actor.megatron, transport, bucket_mb)
                 except WeightSyncError as exc:
                     report["sync_error"] = str(exc)
                     stats = None
@@ -200,7 +200,7 @@ def refused_sync_worker(hf_dir: str, refusal: str) -> dict:
         fleet = _SenderThatCannotReplace(cfg, refusal)
         report = {"rank": dist.get_rank()}
         try:
-            EngineFleet.update_weights(fleet, actor.engine, version=1)
+            EngineFleet.update_weights(fleet, actor.megatron, version=1)
         except WeightSyncError as exc:
             report["error"] = str(exc)
         if fleet.transport is not None:
@@ -239,7 +239,7 @@ def sync_mid_decode_worker(hf_dir: str) -> dict:
     tokens vs the policy that generated each: the initial one before the cut, the actor after."""
     import asyncio
 
-    from rlfactory_megatron.rollout.async_engine import StreamingEngine
+    from rlfactory_megatron.rollout.fronts import StreamingFront
     from rlfactory_megatron.rollout.router import EngineRouter
 
     init_distributed(ParallelSizes(1, 1), seed=3)
@@ -257,19 +257,19 @@ def sync_mid_decode_worker(hf_dir: str) -> dict:
 
         async def generate_across_the_update():
             stepped = SignallingEngine(engine, after=6)
-            router = EngineRouter([StreamingEngine(stepped)])
+            router = EngineRouter([StreamingFront(stepped)])
             session = router.session()
             try:
-                request = asyncio.ensure_future(session.generate(PROMPTS[1], {"max_tokens": 60, "seed": 5}))
+                request = asyncio.ensure_future(session.generate(PROMPTS[1], SamplingConfig(max_tokens=60, seed=5)))
                 await stepped.reached.wait()
                 await router.pause(interrupt=True)
                 cut_before_done = not request.done()
-                await asyncio.to_thread(sync_weights, actor.engine, transport, 0.5, version=1)
+                await asyncio.to_thread(sync_weights, actor.megatron, transport, 0.5, version=1)
                 await router.resume(transport.served_version)
                 ids, log_probs = await request
                 return ids, log_probs, session.calls, cut_before_done
             finally:
-                await router.engines[0].close()
+                await router.fronts[0].close()
 
         ids, log_probs, calls, cut_before_done = asyncio.run(generate_across_the_update())
         batch, engine_lp = batch_from_generations([PROMPTS[1]], [[Generation(ids, log_probs)]])

@@ -14,6 +14,7 @@ the calculator, observation rendering through the chat template.
 """
 import asyncio
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -23,8 +24,8 @@ from rlfactory_megatron.envs.agent_loop import AgentLoopConfig, run_agent_loop
 from rlfactory_megatron.envs.tool_manager import get_tool_manager
 from rlfactory_megatron.envs.tools import ToolBox, parse_tool_specs
 from rlfactory_megatron.models.tiny_tokenizer import QWEN_TEMPLATE, train_chat_tokenizer
-from rlfactory_megatron.rollout.async_engine import AsyncBatchingEngine, sampling_config
-from rlfactory_megatron.rollout.engines import Generation
+from rlfactory_megatron.rollout.engines import Generation, SamplingConfig
+from rlfactory_megatron.rollout.fronts import BatchingFront
 
 # Bounds on wall time: run alone, after the parallel part of the suite (scripts/test.sh).
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
@@ -112,9 +113,9 @@ def calculator():
 
 
 def sampling(tokenizer, **overrides):
-    # List values, as they come from YAML; the adapter turns them into the SamplingConfig's tuples.
-    return {"temperature": 0.0, "max_tokens": 32, "stop_token_ids": [tokenizer.convert_tokens_to_ids("<|im_end|>")],
-            **overrides}
+    # A list value, as it comes from YAML: SamplingConfig keeps it as a tuple.
+    return SamplingConfig(**{"temperature": 0.0, "max_tokens": 32,
+                             "stop_token_ids": [tokenizer.convert_tokens_to_ids("<|im_end|>")], **overrides})
 
 
 def test_multi_turn_rollout_masks_exactly_the_observation_tokens(engine, tokenizer, calculator):
@@ -123,7 +124,7 @@ def test_multi_turn_rollout_masks_exactly_the_observation_tokens(engine, tokeniz
 
     async def rollouts(n):
         # A batch closes when all n samples wait (max_batch), so the count below does not hang on timing.
-        adapter = AsyncBatchingEngine(engine, max_batch=n, window_s=5.0)
+        adapter = BatchingFront(engine, max_batch=n, window_s=5.0)
         try:
             trajs = await asyncio.gather(*(
                 run_agent_loop(prompt, adapter, manager, calculator.run, sampling(tokenizer), AgentLoopConfig())
@@ -165,17 +166,17 @@ def test_adapter_batches_concurrent_requests_and_matches_direct_generate(engine,
     call_ids = tokenizer.encode(CALL_TURN, add_special_tokens=False)
     prompts.append(prompts[0] + call_ids + manager.render_observation(["84"]))
     config = sampling(tokenizer, max_tokens=8)
-    direct = engine.generate(prompts, sampling_config(config))
+    direct = engine.generate(prompts, config)
 
     async def go():
-        adapter = AsyncBatchingEngine(engine, window_s=0.05)
+        adapter = BatchingFront(engine, window_s=0.05)
         try:
             same = await asyncio.gather(*(adapter.generate(p, config) for p in prompts))
             # Only max_tokens differs: one batch, each cut to its own cap. A different temperature: a batch of its own.
             start = adapter.batches
-            capped = await asyncio.gather(adapter.generate(prompts[0], {**config, "max_tokens": 1}),
+            capped = await asyncio.gather(adapter.generate(prompts[0], replace(config, max_tokens=1)),
                                           adapter.generate(prompts[0], config),
-                                          adapter.generate(prompts[3], {**config, "temperature": 1.0, "seed": 3}))
+                                          adapter.generate(prompts[3], replace(config, temperature=1.0, seed=3)))
             return same, capped, adapter.batches - start
         finally:
             await adapter.close()
@@ -201,15 +202,15 @@ def test_adapter_window_groups_staggered_arrivals_and_passes_engine_errors():
 
     async def go():
         fake = RecordingEngine()
-        adapter = AsyncBatchingEngine(fake, max_batch=3, window_s=0.2)
+        adapter = BatchingFront(fake, max_batch=3, window_s=0.2)
 
         async def late(delay, prompt):
             await asyncio.sleep(delay)
-            return await adapter.generate(prompt, {"max_tokens": 2})
+            return await adapter.generate(prompt, SamplingConfig(max_tokens=2))
 
         start = time.perf_counter()
         results = await asyncio.gather(*(late(0.01 * i, [i]) for i in range(5)))
-        failed = await asyncio.gather(adapter.generate([666], {}), return_exceptions=True)
+        failed = await asyncio.gather(adapter.generate([666], SamplingConfig()), return_exceptions=True)
         await adapter.close()
         return [(t - start, n) for t, n in fake.calls], results, failed
 
@@ -222,15 +223,12 @@ def test_adapter_window_groups_staggered_arrivals_and_passes_engine_errors():
     assert isinstance(failed[0], RuntimeError) and "engine died" in str(failed[0])
 
 
-def test_sampling_dict_maps_onto_sampling_config_and_rejects_bad_keys():
-    config = sampling_config({"temperature": 0.7, "top_p": 0.9, "top_k": 20, "max_tokens": 5, "stop": ["\n\n"],
-                              "stop_token_ids": [7], "seed": 1})
-    assert (config.temperature, config.top_p, config.top_k, config.max_tokens) == (0.7, 0.9, 20, 5)
-    assert (config.stop, config.stop_token_ids, config.seed, config.n) == (("\n\n",), (7,), 1, 1)
-    with pytest.raises(ValueError, match=r"unknown keys \['temprature'\]"):
-        sampling_config({"temprature": 1.0})
+def test_sampling_config_takes_lists_and_a_front_refuses_more_than_one_sample():
+    config = SamplingConfig(temperature=0.7, top_p=0.9, top_k=20, max_tokens=5, stop=["\n\n"], stop_token_ids=[7], seed=1)
+    assert (config.stop, config.stop_token_ids, config.n) == (("\n\n",), (7,), 1)
+    assert hash(config) == hash(replace(config, stop=("\n\n",)))  # fronts batch requests by it
     with pytest.raises(ValueError, match="n must be 1"):
-        sampling_config({"n": 4})
+        asyncio.run(BatchingFront(None).generate([1], SamplingConfig(n=4)))
 
 
 LLAMA_CALL_JSON = '{"name": "calculator", "parameters": {"expression": "12*7"}}'
@@ -261,8 +259,8 @@ def test_a_llama3_tool_call_turn_stops_at_eom_on_vllm(tmp_path):
     engine = VLLMEngine(str(hf_dir), max_model_len=1024, max_num_seqs=4, memory_utilization=0.3)
 
     async def rollout(stop_token_ids):
-        adapter = AsyncBatchingEngine(engine, window_s=0.01)
-        config = {"temperature": 0.0, "max_tokens": 32, "stop_token_ids": stop_token_ids}
+        adapter = BatchingFront(engine, window_s=0.01)
+        config = SamplingConfig(temperature=0.0, max_tokens=32, stop_token_ids=stop_token_ids)
         try:
             return await run_agent_loop(prompt, adapter, manager, calculator.run, config, AgentLoopConfig())
         finally:

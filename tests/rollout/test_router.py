@@ -2,6 +2,7 @@
 turn to the same one; a slow engine gets fewer new trajectories."""
 import asyncio
 
+from rlfactory_megatron.rollout.engines import SamplingConfig
 from rlfactory_megatron.rollout.router import EngineRouter
 
 
@@ -26,7 +27,7 @@ def test_turns_stay_on_one_engine_and_a_slow_engine_gets_fewer_trajectories():
         await asyncio.sleep(0.002 * index)  # arriving over time, as the agent loops of a step do
         session = router.session()
         for _ in range(3):  # three turns
-            await session.generate([index], {})
+            await session.generate([index], SamplingConfig())
         return session.engine
 
     async def step():
@@ -34,7 +35,7 @@ def test_turns_stay_on_one_engine_and_a_slow_engine_gets_fewer_trajectories():
 
     engines = asyncio.run(step())
     for index, engine in enumerate(engines):  # all three turns of a trajectory on one engine
-        assert [router.engines[engine].served.count(index), router.engines[1 - engine].served.count(index)] == [3, 0]
+        assert [router.fronts[engine].served.count(index), router.fronts[1 - engine].served.count(index)] == [3, 0]
     assert engines.count(1) >= 30, engines.count(1)  # the fast engine served most trajectories
     assert router.outstanding == [0, 0]
 
@@ -45,7 +46,7 @@ def test_concurrent_first_turns_spread_over_idle_engines():
 
     async def step():
         sessions = [router.session() for _ in range(6)]
-        await asyncio.gather(*(s.generate([i], {}) for i, s in enumerate(sessions)))
+        await asyncio.gather(*(s.generate([i], SamplingConfig()) for i, s in enumerate(sessions)))
         return [s.engine for s in sessions]
 
     assert sorted(asyncio.run(step())) == [0, 0, 1, 1, 2, 2]
@@ -75,7 +76,7 @@ def test_requests_of_a_failed_engine_run_again_on_the_others():
 
     async def trajectory(index):
         session = router.session()
-        return [await session.generate([index], {}) for _ in range(3)]
+        return [await session.generate([index], SamplingConfig()) for _ in range(3)]
 
     async def step(n):
         return await asyncio.gather(*(trajectory(i) for i in range(n)))
@@ -86,7 +87,7 @@ def test_requests_of_a_failed_engine_run_again_on_the_others():
     assert sorted(healthy.served + dying.served[:3]) == sorted([i for i in range(6) for _ in range(3)])
     router.revive(0, Engine(0.0))  # a replacement serves again
     asyncio.run(step(2))
-    assert router.engines[0].served and not router.failed
+    assert router.fronts[0].served and not router.failed
     router.fail(0, ConnectionError("gone")), router.fail(1, ConnectionError("gone too"))
     with pytest.raises(EngineFailedError, match="every rollout engine failed: engine 0: ConnectionError: gone"):
         asyncio.run(step(1))
@@ -101,11 +102,11 @@ def test_a_pause_lets_running_calls_finish_holds_new_ones_and_each_call_keeps_it
 
     async def run():
         session = router.session()
-        first = asyncio.create_task(session.generate([1], {}))
+        first = asyncio.create_task(session.generate([1], SamplingConfig()))
         await asyncio.sleep(0.005)  # the first call is under way
         await router.pause()
         assert first.done() and engine.requests == 1  # it finished before the pause returned
-        second = asyncio.create_task(session.generate([1, 7, 8], {}))
+        second = asyncio.create_task(session.generate([1, 7, 8], SamplingConfig()))
         await asyncio.sleep(0.05)
         assert not second.done() and engine.requests == 1  # held while the weights change
         await router.resume(4)
@@ -122,7 +123,7 @@ def test_a_pause_lets_running_calls_finish_holds_new_ones_and_each_call_keeps_it
 def test_an_engine_that_fails_a_step_inside_a_live_actor_counts_as_dead():
     # What rlf-train's router is given: a Ray actor's death and a failed vLLM step inside a live
     # actor both move the requests to the other engines; a bad request does not.
-    from rlfactory_megatron.rollout.async_engine import EngineStepError
+    from rlfactory_megatron.rollout.fronts import EngineStepError
     from rlfactory_megatron.rollout.fleet import _engine_died
 
     class FailingStep(Engine):
@@ -131,7 +132,7 @@ def test_an_engine_that_fails_a_step_inside_a_live_actor_counts_as_dead():
 
     healthy = Engine(0.001)
     router = EngineRouter([FailingStep(0.0), healthy], is_failure=_engine_died)
-    results = asyncio.run(_all(router.session().generate([i], {}) for i in range(4)))
+    results = asyncio.run(_all(router.session().generate([i], SamplingConfig()) for i in range(4)))
     assert results == [([7, 8], [-0.1, -0.2])] * 4 and sorted(healthy.served) == [0, 1, 2, 3]
     assert list(router.failed) == [0] and "failed a step" in router.failed[0]
     assert not _engine_died(ValueError("prompt too long"))
@@ -146,7 +147,7 @@ def test_an_interrupting_pause_cuts_running_calls_and_each_goes_on_with_its_toke
     # goes on as a request whose prompt holds the tokens it had, for the tokens left, with a seed
     # of its own (its own seed would repeat the first tokens' draws). An engine that cannot
     # interrupt (here: the second) is waited for, as without the flag.
-    from rlfactory_megatron.rollout.async_engine import GenerationInterrupted
+    from rlfactory_megatron.rollout.fronts import GenerationInterrupted
 
     class Interruptible:
         requests, busy_s = 0, 0.0
@@ -155,13 +156,13 @@ def test_an_interrupting_pause_cuts_running_calls_and_each_goes_on_with_its_toke
             self.seen, self.cut, self.held = [], asyncio.Event(), False
 
         async def generate(self, prompt, sampling):
-            self.seen.append((list(prompt), dict(sampling)))
+            self.seen.append((list(prompt), sampling))
             if self.held:
                 raise GenerationInterrupted([], [])
             if len(self.seen) == 1:
                 await self.cut.wait()
                 raise GenerationInterrupted([40, 41, 42], [-0.4, -0.41, -0.42])
-            return [50] * sampling["max_tokens"], [-0.5] * sampling["max_tokens"]
+            return [50] * sampling.max_tokens, [-0.5] * sampling.max_tokens
 
         async def interrupt(self):
             self.held = True
@@ -175,7 +176,7 @@ def test_an_interrupting_pause_cuts_running_calls_and_each_goes_on_with_its_toke
 
     async def run():
         sessions = [router.session(), router.session()]
-        calls = [asyncio.create_task(s.generate([1, 2], {"max_tokens": 8, "seed": 5})) for s in sessions]
+        calls = [asyncio.create_task(s.generate([1, 2], SamplingConfig(max_tokens=8, seed=5))) for s in sessions]
         await asyncio.sleep(0.01)
         await router.pause(interrupt=True)
         assert calls[1].done() and not calls[0].done()  # the one that cannot interrupt finished
@@ -186,8 +187,8 @@ def test_an_interrupting_pause_cuts_running_calls_and_each_goes_on_with_its_toke
     assert cut == ([40, 41, 42, 50, 50, 50, 50, 50], [-0.4, -0.41, -0.42] + [-0.5] * 5)
     assert whole == ([7, 8], [-0.1, -0.2])
     (first_prompt, first), (prompt, rest) = cutting.seen
-    assert first_prompt == [1, 2] and first == {"max_tokens": 8, "seed": 5}
-    assert prompt == [1, 2, 40, 41, 42] and rest["max_tokens"] == 5 and rest["seed"] not in (None, 5)
+    assert first_prompt == [1, 2] and first == SamplingConfig(max_tokens=8, seed=5)
+    assert prompt == [1, 2, 40, 41, 42] and rest.max_tokens == 5 and rest.seed not in (None, 5)
     assert sessions[0].calls == [(0, 0, 3), (0, 2, 5)] and sessions[1].calls == [(1, 0, 2)]
     assert router.outstanding == [0, 0]
 
@@ -195,7 +196,7 @@ def test_an_interrupting_pause_cuts_running_calls_and_each_goes_on_with_its_toke
 def test_an_engine_that_stays_held_after_a_weight_update_counts_as_failed_and_its_requests_move():
     # Its release failed (or it cuts requests with no update under way): a request there would be
     # cut again forever. The router marks it failed, and the request runs again on another engine.
-    from rlfactory_megatron.rollout.async_engine import EngineStepError, GenerationInterrupted
+    from rlfactory_megatron.rollout.fronts import EngineStepError, GenerationInterrupted
 
     class Stuck(Engine):
         def __init__(self):
@@ -221,7 +222,7 @@ def test_an_engine_that_stays_held_after_a_weight_update_counts_as_failed_and_it
 
     async def run():
         session = router.session()
-        call = asyncio.create_task(session.generate([3], {}))  # on engine 0, the least loaded
+        call = asyncio.create_task(session.generate([3], SamplingConfig()))  # on engine 0, the least loaded
         await asyncio.sleep(0.01)
         await router.pause(interrupt=True)
         await router.resume(1)
@@ -238,7 +239,7 @@ def test_an_engine_that_stays_held_after_a_weight_update_counts_as_failed_and_it
     router = EngineRouter([stuck, Engine(0.0)], is_failure=died)
 
     async def cut_for_nothing():
-        return await router.session().generate([3], {})
+        return await router.session().generate([3], SamplingConfig())
 
     assert asyncio.run(cut_for_nothing())[0] == [7, 8]
     assert "cut a request with no weight update under way" in router.failed[0]

@@ -1,10 +1,12 @@
 """Per-request seeds: a seeded sample is a function of its prompt, weights and seed only — not of
 which other requests share its engine call — and differently seeded requests still share one call."""
 import asyncio
+from dataclasses import replace
 
 import pytest
 
-from rlfactory_megatron.rollout.async_engine import AsyncBatchingEngine, sampling_config
+from rlfactory_megatron.rollout.engines import SamplingConfig
+from rlfactory_megatron.rollout.fronts import BatchingFront
 
 pytestmark = pytest.mark.slow
 
@@ -20,14 +22,14 @@ def engine(tiny_hf_dirs):
 
 def test_seeded_samples_do_not_depend_on_their_batch(engine):
     prompts = [[5, 17, 42, 8], [9, 9, 31], [100, 3, 77, 12, 6], [5, 17, 42, 8]]
-    config = {"temperature": 1.0, "max_tokens": 12}
+    config = SamplingConfig(temperature=1.0, max_tokens=12)
 
     async def go():
-        adapter = AsyncBatchingEngine(engine, window_s=0.05)
+        adapter = BatchingFront(engine, window_s=0.05)
         try:
-            alone = await adapter.generate(prompts[0], {**config, "seed": 11})
+            alone = await adapter.generate(prompts[0], replace(config, seed=11))
             start = adapter.batches
-            together = await asyncio.gather(*(adapter.generate(p, {**config, "seed": seed})
+            together = await asyncio.gather(*(adapter.generate(p, replace(config, seed=seed))
                                               for p, seed in zip(prompts, (3, 4, 5, 11))))
             return alone, together, adapter.batches - start
         finally:
@@ -36,7 +38,7 @@ def test_seeded_samples_do_not_depend_on_their_batch(engine):
     alone, together, batches = asyncio.run(go())
     # Many seeded requests at once: more prompt tokens than one engine step takes.
     long_prompts = [[(7 * i + j) % 400 + 10 for j in range(200)] for i in range(48)]
-    crowd = engine.generate(long_prompts, sampling_config(config), seeds=list(range(48)))
+    crowd = engine.generate(long_prompts, config, seeds=list(range(48)))
     assert [len(g[0].token_ids) for g in crowd] == [12] * 48
     assert batches == 1  # different seeds do not split the batch
     assert together[3][0] == alone[0] and together[3][1] == pytest.approx(alone[1], abs=1e-5)

@@ -26,7 +26,7 @@ def log_probs_three_ways(checkpoint: str, initial_hf_dir: str,
     init_distributed(ParallelSizes(1, 1))
     try:
         model = PolicyModel(load_arch(hf_dir), None, BuildOptions(), max_tokens=4096)
-        model.engine.load(Path(checkpoint) / "actor")
+        model.megatron.load(Path(checkpoint) / "actor")
         megatron = model.compute_log_probs(batch)["log_probs"]
     finally:
         destroy_distributed()

@@ -84,7 +84,7 @@ def _record_training(module) -> None:
     def forward_only(a, k) -> bool:
         return bool(a[2] if len(a) > 2 else k.get("forward_only"))
 
-    _wrap(module.MegatronEngine, "run", lambda self, a, k: _record("run", train=not forward_only(a, k)))
+    _wrap(module.MegatronModel, "run", lambda self, a, k: _record("run", train=not forward_only(a, k)))
     empty_cache = torch.cuda.empty_cache
 
     def recorded_empty_cache():
@@ -103,7 +103,7 @@ if _KILL_SPEC:
     _PATCHES["rlfactory_megatron.rollout.ray_engine"] = [_kill_mid_sync]
 if _RECORD:
     _PATCHES.setdefault("rlfactory_megatron.rollout.engines", []).append(_record_engine)
-    _PATCHES.setdefault("rlfactory_megatron.actor.engine", []).append(_record_training)
+    _PATCHES.setdefault("rlfactory_megatron.actor.model", []).append(_record_training)
     _PATCHES.setdefault("rlfactory_megatron.actor.offload", []).append(_record_offload)
 
 if _PATCHES:

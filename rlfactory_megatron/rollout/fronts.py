@@ -1,11 +1,11 @@
 """Per-request asyncio generation (`await generate(prompt, sampling)`) over a rollout engine.
 
-`StreamingEngine` serves an engine that steps (vLLM's in-process engine): a request joins the
+`StreamingFront` serves an engine that steps (vLLM's in-process engine): a request joins the
 running batch at the next engine step and its caller resumes the moment it finishes, so one
-trajectory's tool call overlaps the others' decoding. `RemoteStreamingEngine` does the same for
-an engine that streams on its own side (a Ray-hosted one, whose actor runs a StreamingEngine):
+trajectory's tool call overlaps the others' decoding. `RemoteFront` does the same for
+an engine that streams on its own side (a Ray-hosted one, whose actor runs a StreamingFront):
 requests gathered in a short window go in one remote call, and each result comes back as its
-request finishes. `AsyncBatchingEngine` serves an engine that only takes whole batches: a call
+request finishes. `BatchingFront` serves an engine that only takes whole batches: a call
 lasts as long as its longest request. `serving(engine)` picks the one the engine allows.
 """
 from __future__ import annotations
@@ -16,11 +16,8 @@ import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from rlfactory_megatron.rollout.engines import RolloutEngine, SamplingConfig
-
-_SAMPLING_KEYS = frozenset(f.name for f in dataclasses.fields(SamplingConfig))
 
 
 class GenerationInterrupted(Exception):
@@ -41,27 +38,20 @@ class EngineStepError(RuntimeError):
     engine as failed (its requests run again elsewhere) and its owner replaces it."""
 
 
-def sampling_config(sampling: dict[str, Any]) -> SamplingConfig:
-    """The agent loop's sampling dict as a SamplingConfig; unknown keys and `n != 1` are errors."""
-    unknown = set(sampling) - _SAMPLING_KEYS
-    if unknown:
-        raise ValueError(f"sampling: unknown keys {sorted(unknown)}; valid: {sorted(_SAMPLING_KEYS)}")
-    if sampling.get("n", 1) != 1:
-        raise ValueError(f"sampling.n={sampling['n']}: the agent loop runs one coroutine per sample, so n must be 1")
-    values = dict(sampling)
-    for key in ("stop", "stop_token_ids"):
-        if key in values:
-            values[key] = tuple(values[key] or ())
-    return SamplingConfig(**values)
+def _one_sample(sampling: SamplingConfig) -> SamplingConfig:
+    """A front's request: one continuation (checked in the caller, not in the batch)."""
+    if sampling.n != 1:
+        raise ValueError(f"sampling.n={sampling.n}: the agent loop runs one coroutine per sample, so n must be 1")
+    return sampling
 
 
 def serving(engine, window_s: float = 0.01):
     """The asyncio front of `engine`: streaming where the engine can step or streams itself, batched otherwise."""
     if all(callable(getattr(engine, name, None)) for name in ("submit", "step", "abort")):
-        return StreamingEngine(engine, window_s=window_s)
+        return StreamingFront(engine, window_s=window_s)
     if callable(getattr(engine, "stream", None)):
-        return RemoteStreamingEngine(engine, window_s=window_s)
-    return AsyncBatchingEngine(engine, window_s=window_s)
+        return RemoteFront(engine, window_s=window_s)
+    return BatchingFront(engine, window_s=window_s)
 
 
 @dataclass
@@ -71,8 +61,8 @@ class _Request:
     done: asyncio.Future
 
 
-class AsyncBatchingEngine:
-    """`await generate(prompt_token_ids, sampling_dict) -> (token_ids, log_probs)` on top of a
+class BatchingFront:
+    """`await generate(prompt_token_ids, sampling) -> (token_ids, log_probs)` on top of a
     synchronous batched `engine.generate(prompts, SamplingConfig)`.
 
     The first waiting request opens a window of `window_s`; everything that arrives before it
@@ -96,8 +86,8 @@ class AsyncBatchingEngine:
         self._full: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
 
-    async def generate(self, prompt_token_ids: list[int], sampling: dict[str, Any]) -> tuple[list[int], list[float]]:
-        config = sampling_config(sampling)  # bad keys fail in the caller, not in the batch
+    async def generate(self, prompt_token_ids: list[int], sampling: SamplingConfig) -> tuple[list[int], list[float]]:
+        config = _one_sample(sampling)
         if self._worker is None or self._worker.done():
             # First call, or the previous event loop is gone (and with it its waiting callers).
             self._pending = []
@@ -168,8 +158,8 @@ def _group_by_sampling(batch: list[_Request]) -> list[list[_Request]]:
     return list(groups.values())
 
 
-class StreamingEngine:
-    """`await generate(prompt_token_ids, sampling_dict) -> (token_ids, log_probs)` on an engine that
+class StreamingFront:
+    """`await generate(prompt_token_ids, sampling) -> (token_ids, log_probs)` on an engine that
     takes requests one by one (`submit`) and runs them in steps (`step` -> the finished ones).
 
     One task steps the engine in a worker thread while any request runs (the event loop keeps
@@ -200,8 +190,8 @@ class StreamingEngine:
         self._held = False  # between interrupt() and release(): no request runs
         self._interrupting: list[asyncio.Future] = []  # interrupt() calls waiting for the engine to empty
 
-    async def generate(self, prompt_token_ids: list[int], sampling: dict[str, Any]) -> tuple[list[int], list[float]]:
-        config = sampling_config(sampling)  # bad keys fail in the caller, not in the engine
+    async def generate(self, prompt_token_ids: list[int], sampling: SamplingConfig) -> tuple[list[int], list[float]]:
+        config = _one_sample(sampling)
         if self.failure is not None:
             raise self.failure
         if self._held:
@@ -374,19 +364,19 @@ class StreamingEngine:
                 return refused, finished, steps
 
 
-class RemoteStreamingEngine:
-    """`await generate(prompt_token_ids, sampling_dict) -> (token_ids, log_probs)` on an engine that
+class RemoteFront:
+    """`await generate(prompt_token_ids, sampling) -> (token_ids, log_probs)` on an engine that
     streams on its own side: `engine.stream(prompts, samplings)` is an async iterator of
     `(index, result)` in the order the requests finish, `result` being `(token_ids, log_probs)` or
     the exception that request raised (a Ray-hosted engine: one actor call per batch, one streamed
     return per request).
 
     Requests gathered in a window of `window_s` form one call; calls do not wait for each other
-    (the engine's own StreamingEngine merges them into its running batch), so a trajectory's next
+    (the engine's own StreamingFront merges them into its running batch), so a trajectory's next
     turn starts while other calls still decode. An error of the call itself (the engine's process
     died) reaches every caller of the call that has no result yet. A caller cancelled meanwhile
     does not stop its request (the engine finishes it); closing cancels the calls under way.
-    `interrupt()`/`release()` go to the engine's own front (see StreamingEngine).
+    `interrupt()`/`release()` go to the engine's own front (see StreamingFront).
     """
 
     def __init__(self, engine, window_s: float = 0.01):
@@ -403,8 +393,8 @@ class RemoteStreamingEngine:
         self._busy_since = 0.0
         self._held = False  # between interrupt() and release()
 
-    async def generate(self, prompt_token_ids: list[int], sampling: dict[str, Any]) -> tuple[list[int], list[float]]:
-        config = sampling_config(sampling)  # bad keys fail in the caller, not in the engine
+    async def generate(self, prompt_token_ids: list[int], sampling: SamplingConfig) -> tuple[list[int], list[float]]:
+        config = _one_sample(sampling)
         if self._held:
             raise GenerationInterrupted([], [])
         if self._worker is None or self._worker.done():
@@ -458,7 +448,7 @@ class RemoteStreamingEngine:
         left = dict(enumerate(batch))
         try:
             async for index, result in self.engine.stream([r.prompt for r in batch],
-                                                          [dataclasses.asdict(r.sampling) for r in batch]):
+                                                          [r.sampling for r in batch]):
                 request = left.pop(index)
                 self._left(1)
                 if request.done.done():  # its caller was cancelled meanwhile

@@ -28,7 +28,7 @@ class NonFiniteError(RuntimeError):
     """Non-finite numbers where the run cannot go on: weights, or update after update."""
 
 
-class MegatronEngine:
+class MegatronModel:
     """Owns model chunks (+ DDP, optimizer, scheduler when trainable) and runs planned micro-batches."""
 
     def __init__(self, arch: ModelArch, hf_dir: str | None, build: BuildOptions, optim_cfg=None,

@@ -2,11 +2,13 @@
 own request finishes, not when a batch does; samples are the batch path's; a bad request, a
 cancelled caller and a closed front each leave the rest served and the engine clean."""
 import asyncio
+from dataclasses import replace
 
 import pytest
 
-from rlfactory_megatron.rollout.async_engine import (
-    AsyncBatchingEngine, EngineStepError, GenerationInterrupted, StreamingEngine, sampling_config, serving)
+from rlfactory_megatron.rollout.engines import SamplingConfig
+from rlfactory_megatron.rollout.fronts import (
+    BatchingFront, EngineStepError, GenerationInterrupted, StreamingFront, serving)
 
 from rollout_workers import SignallingEngine
 
@@ -28,17 +30,17 @@ def test_serving_streams_a_steppable_engine_and_batches_one_that_is_not(engine):
     class BatchOnly:
         def generate(self, prompts, sampling, seeds=None): ...
 
-    assert isinstance(serving(engine), StreamingEngine)
-    assert isinstance(serving(BatchOnly()), AsyncBatchingEngine)
+    assert isinstance(serving(engine), StreamingFront)
+    assert isinstance(serving(BatchOnly()), BatchingFront)
 
 
 def test_a_short_request_returns_while_a_long_one_still_decodes(engine):
     async def go():
-        front = StreamingEngine(engine)
+        front = StreamingFront(engine)
         finished_at = {}
 
         async def one(name, max_tokens):
-            ids, _ = await front.generate(PROMPTS[0], {"temperature": 1.0, "max_tokens": max_tokens, "seed": 1})
+            ids, _ = await front.generate(PROMPTS[0], SamplingConfig(temperature=1.0, max_tokens=max_tokens, seed=1))
             finished_at[name] = (front.steps, len(ids))
 
         try:
@@ -54,15 +56,15 @@ def test_a_short_request_returns_while_a_long_one_still_decodes(engine):
 
 
 def test_streamed_samples_equal_the_batch_path_and_arrive_in_any_order(engine):
-    config = {"temperature": 1.0, "max_tokens": 12}
-    direct = engine.generate(PROMPTS, sampling_config(config), seeds=[3, 4, 5, 11])
+    config = SamplingConfig(temperature=1.0, max_tokens=12)
+    direct = engine.generate(PROMPTS, config, seeds=[3, 4, 5, 11])
 
     async def go():
-        front = StreamingEngine(engine)
+        front = StreamingFront(engine)
         try:
-            early = front.generate(PROMPTS[3], {**config, "seed": 11})  # alone, before the others
+            early = front.generate(PROMPTS[3], replace(config, seed=11))  # alone, before the others
             first = await early
-            rest = await asyncio.gather(*(front.generate(p, {**config, "seed": s})
+            rest = await asyncio.gather(*(front.generate(p, replace(config, seed=s))
                                           for p, s in zip(PROMPTS[:3], (3, 4, 5))))
             return [*rest, first]
         finally:
@@ -76,15 +78,15 @@ def test_streamed_samples_equal_the_batch_path_and_arrive_in_any_order(engine):
 
 def test_a_refused_request_fails_alone_and_a_cancelled_one_is_aborted(engine):
     async def go():
-        front = StreamingEngine(engine)
+        front = StreamingFront(engine)
         try:
-            too_long = front.generate(list(range(10, 300)), {"max_tokens": 4})  # over max_model_len 128
-            fine = front.generate(PROMPTS[1], {"max_tokens": 6, "seed": 2})
-            doomed = asyncio.ensure_future(front.generate(PROMPTS[2], {"max_tokens": 100, "seed": 3}))
+            too_long = front.generate(list(range(10, 300)), SamplingConfig(max_tokens=4))  # over max_model_len 128
+            fine = front.generate(PROMPTS[1], SamplingConfig(max_tokens=6, seed=2))
+            doomed = asyncio.ensure_future(front.generate(PROMPTS[2], SamplingConfig(max_tokens=100, seed=3)))
             results = await asyncio.gather(too_long, fine, return_exceptions=True)
             doomed.cancel()
             await asyncio.gather(doomed, return_exceptions=True)
-            after = await front.generate(PROMPTS[0], {"max_tokens": 3, "seed": 4})  # the front still serves
+            after = await front.generate(PROMPTS[0], SamplingConfig(max_tokens=3, seed=4))  # the front still serves
             return results, after
         finally:
             await front.close()
@@ -97,8 +99,8 @@ def test_a_refused_request_fails_alone_and_a_cancelled_one_is_aborted(engine):
 
 def test_closing_with_requests_in_flight_cancels_their_callers_and_empties_the_engine(engine):
     async def go():
-        front = StreamingEngine(engine)
-        pending = [asyncio.ensure_future(front.generate(p, {"max_tokens": 100, "seed": i}))
+        front = StreamingFront(engine)
+        pending = [asyncio.ensure_future(front.generate(p, SamplingConfig(max_tokens=100, seed=i)))
                    for i, p in enumerate(PROMPTS)]
         while not front._running:  # in the engine
             await asyncio.sleep(0.01)
@@ -129,13 +131,13 @@ def test_a_failed_engine_step_fails_every_caller_and_the_front_serves_no_more(en
         return type(engine).step(engine)
 
     async def go():
-        front = StreamingEngine(engine)
+        front = StreamingFront(engine)
         engine.step = failing_step
         try:
-            results = await asyncio.gather(*(front.generate(p, {"max_tokens": 50, "seed": i})
+            results = await asyncio.gather(*(front.generate(p, SamplingConfig(max_tokens=50, seed=i))
                                              for i, p in enumerate(PROMPTS)), return_exceptions=True)
             with pytest.raises(EngineStepError, match="injected"):
-                await front.generate(PROMPTS[0], {"max_tokens": 2})
+                await front.generate(PROMPTS[0], SamplingConfig(max_tokens=2))
             return results, list(front._orphans)
         finally:
             del engine.step
@@ -153,22 +155,22 @@ def test_an_interrupt_ends_requests_between_steps_with_their_tokens_and_holds_la
     # Partial rollout's cut: each running request ends after the step under way with the tokens
     # (and log-probs) it had, those a run without the cut generated first; until release(), a new
     # request ends at once with none; then the front serves again.
-    config = {"temperature": 1.0, "max_tokens": 60}
-    reference = engine.generate([PROMPTS[0], PROMPTS[2]], sampling_config(config), seeds=[7, 8])
+    config = SamplingConfig(temperature=1.0, max_tokens=60)
+    reference = engine.generate([PROMPTS[0], PROMPTS[2]], config, seeds=[7, 8])
 
     async def go():
         stepped = SignallingEngine(engine, after=5)
-        front = StreamingEngine(stepped)
+        front = StreamingFront(stepped)
         try:
-            running = [asyncio.ensure_future(front.generate(p, {**config, "seed": seed}))
+            running = [asyncio.ensure_future(front.generate(p, replace(config, seed=seed)))
                        for p, seed in ((PROMPTS[0], 7), (PROMPTS[2], 8))]
             await stepped.reached.wait()
             await front.interrupt()
             assert all(request.done() for request in running)  # interrupt() returns with the engine empty
             cut = await asyncio.gather(*running, return_exceptions=True)
-            held = await asyncio.gather(front.generate(PROMPTS[1], {**config, "seed": 2}), return_exceptions=True)
+            held = await asyncio.gather(front.generate(PROMPTS[1], replace(config, seed=2)), return_exceptions=True)
             await front.release()
-            after = await front.generate(PROMPTS[1], {"max_tokens": 4, "seed": 2})
+            after = await front.generate(PROMPTS[1], SamplingConfig(max_tokens=4, seed=2))
             return cut, held[0], after
         finally:
             await front.close()
@@ -191,13 +193,13 @@ def test_an_interrupted_request_goes_on_after_the_resume_as_if_never_cut(engine)
     # KV computed again gives the same tokens and log-probs); the session records each engine call.
     from rlfactory_megatron.rollout.router import EngineRouter
 
-    greedy = {"temperature": 0.0, "max_tokens": 60}
-    [[reference]] = engine.generate([PROMPTS[0]], sampling_config(greedy))
+    greedy = SamplingConfig(temperature=0.0, max_tokens=60)
+    [[reference]] = engine.generate([PROMPTS[0]], greedy)
     assert len(reference.token_ids) == 60  # no end-of-turn token before the cap
 
     async def go():
         stepped = SignallingEngine(engine, after=5)
-        router = EngineRouter([StreamingEngine(stepped)])
+        router = EngineRouter([StreamingFront(stepped)])
         session = router.session()
         try:
             request = asyncio.ensure_future(session.generate(PROMPTS[0], greedy))
@@ -207,7 +209,7 @@ def test_an_interrupted_request_goes_on_after_the_resume_as_if_never_cut(engine)
             await router.resume(3)
             return await request, session
         finally:
-            await router.engines[0].close()
+            await router.fronts[0].close()
 
     (ids, log_probs), session = asyncio.run(go())
     assert ids == reference.token_ids
@@ -228,13 +230,13 @@ def test_an_engine_that_fails_while_interrupted_fails_its_callers_and_the_interr
             raise RuntimeError("injected: the engine core died")
 
         stepped.interrupt = dead
-        front = StreamingEngine(stepped)
+        front = StreamingFront(stepped)
         try:
-            running = asyncio.ensure_future(front.generate(PROMPTS[0], {"max_tokens": 60, "seed": 3}))
+            running = asyncio.ensure_future(front.generate(PROMPTS[0], SamplingConfig(max_tokens=60, seed=3)))
             await stepped.reached.wait()
             await asyncio.wait_for(front.interrupt(), 60)
             result = await asyncio.gather(running, return_exceptions=True)
-            later = await asyncio.gather(front.generate(PROMPTS[1], {"max_tokens": 2}), return_exceptions=True)
+            later = await asyncio.gather(front.generate(PROMPTS[1], SamplingConfig(max_tokens=2)), return_exceptions=True)
             return result[0], later[0], list(front._orphans)
         finally:
             await front.close()
@@ -247,14 +249,14 @@ def test_an_engine_that_fails_while_interrupted_fails_its_callers_and_the_interr
 
 
 async def _once(engine):
-    front = StreamingEngine(engine)
+    front = StreamingFront(engine)
     try:
-        return await front.generate(PROMPTS[0], {"max_tokens": 5, "seed": 9})
+        return await front.generate(PROMPTS[0], SamplingConfig(max_tokens=5, seed=9))
     finally:
         await front.close()
 
 
-# A Ray-hosted engine streams on its side: the actor runs a StreamingEngine, and the client sends the
+# A Ray-hosted engine streams on its side: the actor runs a StreamingFront, and the client sends the
 # requests of one window in one call whose results come back one by one, as each request finishes.
 
 @pytest.fixture(scope="module")
@@ -267,10 +269,10 @@ def hosted(tiny_hf_dirs, ray_session):
 
 
 def test_a_hosted_engine_streams_its_results_and_a_next_turn_overlaps_a_long_request(hosted, engine):
-    from rlfactory_megatron.rollout.async_engine import RemoteStreamingEngine
+    from rlfactory_megatron.rollout.fronts import RemoteFront
 
-    config = {"temperature": 1.0, "max_tokens": 12}
-    direct = engine.generate(PROMPTS, sampling_config(config), seeds=[3, 4, 5, 11])
+    config = SamplingConfig(temperature=1.0, max_tokens=12)
+    direct = engine.generate(PROMPTS, config, seeds=[3, 4, 5, 11])
     order = []
 
     async def one(front, name, prompt, sampling):
@@ -280,16 +282,16 @@ def test_a_hosted_engine_streams_its_results_and_a_next_turn_overlaps_a_long_req
 
     async def go():
         front = serving(hosted)
-        assert isinstance(front, RemoteStreamingEngine)
+        assert isinstance(front, RemoteFront)
         try:
-            long = asyncio.ensure_future(one(front, "long", PROMPTS[0], {"temperature": 1.0, "max_tokens": 100, "seed": 1}))
-            await one(front, "short", PROMPTS[1], {"temperature": 1.0, "max_tokens": 2, "seed": 2})
+            long = asyncio.ensure_future(one(front, "long", PROMPTS[0], SamplingConfig(temperature=1.0, max_tokens=100, seed=1)))
+            await one(front, "short", PROMPTS[1], SamplingConfig(temperature=1.0, max_tokens=2, seed=2))
             # The short one's next turn: a call of its own, which joins the long one's running batch.
-            await one(front, "next turn", PROMPTS[1], {"temperature": 1.0, "max_tokens": 2, "seed": 3})
-            same = await asyncio.gather(*(front.generate(p, {**config, "seed": s})
+            await one(front, "next turn", PROMPTS[1], SamplingConfig(temperature=1.0, max_tokens=2, seed=3))
+            same = await asyncio.gather(*(front.generate(p, replace(config, seed=s))
                                           for p, s in zip(PROMPTS, (3, 4, 5, 11))))
-            refused = await asyncio.gather(front.generate(list(range(10, 300)), {"max_tokens": 4}),
-                                           front.generate(PROMPTS[2], {"max_tokens": 3, "seed": 6}),
+            refused = await asyncio.gather(front.generate(list(range(10, 300)), SamplingConfig(max_tokens=4)),
+                                           front.generate(PROMPTS[2], SamplingConfig(max_tokens=3, seed=6)),
                                            return_exceptions=True)
             return (await long), same, refused, front
         finally:
@@ -309,7 +311,7 @@ def test_a_hosted_engine_streams_its_results_and_a_next_turn_overlaps_a_long_req
 def test_closing_a_hosted_front_mid_call_cancels_its_callers_and_the_engine_serves_on(hosted):
     async def go():
         front = serving(hosted)
-        pending = [asyncio.ensure_future(front.generate(p, {"max_tokens": 100, "seed": i}))
+        pending = [asyncio.ensure_future(front.generate(p, SamplingConfig(max_tokens=100, seed=i)))
                    for i, p in enumerate(PROMPTS)]
         while not front.calls:  # sent
             await asyncio.sleep(0.01)
@@ -322,7 +324,7 @@ def test_closing_a_hosted_front_mid_call_cancels_its_callers_and_the_engine_serv
     async def again():
         front = serving(hosted)
         try:
-            return await front.generate(PROMPTS[0], {"max_tokens": 5, "seed": 9})
+            return await front.generate(PROMPTS[0], SamplingConfig(max_tokens=5, seed=9))
         finally:
             await front.close()
 
@@ -357,21 +359,21 @@ def test_a_hosted_engine_cuts_its_requests_between_steps_and_the_cut_crosses_the
     def slow_steps_made(host) -> int:
         return host.slow_steps
 
-    config = {"temperature": 1.0, "max_tokens": 100}
-    [[reference]] = engine.generate([PROMPTS[0]], sampling_config(config), seeds=[21])
+    config = SamplingConfig(temperature=1.0, max_tokens=100)
+    [[reference]] = engine.generate([PROMPTS[0]], config, seeds=[21])
     assert len(reference.token_ids) == 100
 
     async def go():
         front = serving(hosted)
         try:
-            running = asyncio.ensure_future(front.generate(PROMPTS[0], {**config, "seed": 21}))
+            running = asyncio.ensure_future(front.generate(PROMPTS[0], replace(config, seed=21)))
             while await hosted.actor.__ray_call__.remote(slow_steps_made) < 3:
                 await asyncio.sleep(0.01)
             await front.interrupt()
             cut = await asyncio.gather(running, return_exceptions=True)
-            held = await asyncio.gather(front.generate(PROMPTS[1], {"max_tokens": 3}), return_exceptions=True)
+            held = await asyncio.gather(front.generate(PROMPTS[1], SamplingConfig(max_tokens=3)), return_exceptions=True)
             await front.release()
-            return cut[0], held[0], await front.generate(PROMPTS[1], {"max_tokens": 3, "seed": 4})
+            return cut[0], held[0], await front.generate(PROMPTS[1], SamplingConfig(max_tokens=3, seed=4))
         finally:
             await front.close()
 
