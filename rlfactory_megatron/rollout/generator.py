@@ -1,8 +1,8 @@
-"""One step's trajectories, on every engine process: a step's prompts split across the engines,
-the agent loop with tools, each process scoring and storing its own rows. Trajectories stay where
-they were made: every rank learns only each row's size and counts (`RowSummary`), and each row's
-tokens go point to point from the process that made it to the ranks of the one DP rank that
-trains it (`RolloutGenerator.place`). Rows are numbered in the order one engine would have
+"""One step's trajectories, on every producer (a rank that drives engines): a step's prompts split
+across the producers, the agent loop with tools, each producer scoring its own rows. Trajectories
+stay where they were made: every rank learns only each row's size and counts (`RowSummary`), and
+each row goes point to point from the process that made it to the ranks of the one DP rank that
+trains it (`RolloutGenerator.place`), whose first rank stores it once trained: nothing comes back. Rows are numbered in the order one engine would have
 produced them; seeds come from (run seed, step, row), so a run's samples do not depend on how
 many engines generate them.
 """
@@ -49,6 +49,14 @@ class RolloutGenerator:
         self.dp_size = parallel_state.get_data_parallel_world_size()
         dp_of_rank = collectives.gather(self.dp_rank)
         self.ranks_of_dp = [[r for r, d in enumerate(dp_of_rank) if d == dp] for dp in range(self.dp_size)]
+        # The rollout store: one shard per DP rank, written by its first rank (the rows it trained).
+        writers = [ranks[0] for ranks in self.ranks_of_dp]
+        writer_group = collectives.subgroup(writers)
+        if cfg.cache.enable and layout.rank == writers[self.dp_rank]:
+            from rlfactory_megatron.envs.storage import RolloutStore
+
+            self.rollout_store = RolloutStore(self._cache_root() / "rollouts",
+                                              topology=self._shard_topology(writers, self.dp_rank, writer_group))
         self.manager = get_tool_manager(cfg.tools.format, tokenizer)
         if fleet.generates:
             self._start_services(tool_specs)
@@ -63,7 +71,7 @@ class RolloutGenerator:
 
         cfg = self.cfg
         if cfg.cache.enable:
-            self._open_cache()
+            self._open_artifacts()
         if cfg.tools.enable:
             self._start_tool_pool(tool_specs)
         self.reward_pool = RewardPool(cfg.reward.manager, RewardFnSpec.from_config(cfg.reward),
@@ -72,28 +80,28 @@ class RolloutGenerator:
                                       remote=RemoteRewardSpec.from_config(cfg.reward),
                                       combine=CombineSpec.from_config(cfg.reward.combine))
 
-    def _cache_topology(self):
-        """One shard per engine process: the training topology when every rank owns an engine,
-        else the engine processes' group alone."""
+    def _cache_root(self) -> Path:
+        """The run's HDF5 cache (cache.dir, default <output_dir>/cache): every step's trajectories
+        as trained on (`rollouts/`, a shard per DP rank) and the tool artifacts the tool pool
+        answers repeated calls from (`tool_artifacts/`, a shard per producer)."""
+        return Path(self.cfg.cache.dir or self.output / "cache")
+
+    def _shard_topology(self, ranks: list[int], index: int, group):
+        """One shard per rank of `ranks` (this rank's is `index`): the training topology when
+        they are every rank, else their own group's."""
         from rlfactory_megatron.envs.storage.topology import Topology, detect_topology
 
-        layout = self.fleet.layout
-        if layout.num_producers == layout.world:
+        if len(ranks) == self.collectives.world:
             return detect_topology()
+        return Topology(rank=index, world=len(ranks), backend="torch",
+                        allgather=lambda obj: self.collectives.gather(obj, group, len(ranks)))
 
-        return Topology(rank=layout.producer, world=layout.num_producers, backend="torch",
-                        allgather=lambda obj: self.collectives.gather(obj, self.owner_group, layout.num_producers))
+    def _open_artifacts(self) -> None:
+        from rlfactory_megatron.envs.storage import ToolArtifactCache
 
-    def _open_cache(self) -> None:
-        """The run's HDF5 cache (cache.dir, default <output_dir>/cache): every step's trajectories
-        as trained on, and the tool artifacts the tool pool answers repeated calls from; one shard
-        per engine process."""
-        from rlfactory_megatron.envs.storage import RolloutStore, ToolArtifactCache
-
-        root = Path(self.cfg.cache.dir or self.output / "cache")
-        topology = self._cache_topology()
-        self.rollout_store = RolloutStore(root / "rollouts", topology=topology)
-        self.artifacts = ToolArtifactCache(root / "tool_artifacts", topology=topology,
+        layout = self.fleet.layout
+        self.artifacts = ToolArtifactCache(self._cache_root() / "tool_artifacts",
+                                           topology=self._shard_topology(layout.owners, layout.producer, self.owner_group),
                                            max_bytes=self.cfg.cache.tool_cache_max_mb << 20,
                                            ttl_s=self.cfg.cache.tool_cache_ttl_s)
 
@@ -249,7 +257,7 @@ class RolloutGenerator:
             start = len(r.prompt_ids)
             engine_log_probs[i, start:start + len(r.log_probs)] = torch.from_numpy(r.log_probs)
             engine_versions[i, start:start + len(r.versions)] = torch.from_numpy(r.versions).long()
-        return TrainRows(batch, engine_log_probs, engine_versions, rollouts)
+        return TrainRows(batch, engine_log_probs, engine_versions, rollouts, rows)
 
     def metrics(self, rollouts: Rollouts, version: int) -> dict[str, float]:
         """What the trainer logs of a step's rows (collective): their rewards and counts, and,
@@ -297,24 +305,16 @@ class RolloutGenerator:
                 for row in rows]
 
     def record(self, rows: TrainRows, batch: RolloutBatch, step: int) -> None:
-        """Each engine process writes the rows it produced, as trained on, to its own shard (one
-        flushed batch), then the artifact cache's step-boundary sync among the engine processes.
-        `batch` is this DP rank's `rows` with their advantages: the first rank of each DP rank
-        sends each row's advantages back to the process that made the row."""
-        if not self.cfg.cache.enable:
-            return
-        rollouts = rows.rollouts
-        outgoing: dict[int, list[tuple[int, np.ndarray]]] = {}
-        if self.fleet.layout.rank == self.ranks_of_dp[self.dp_rank][0]:
+        """The first rank of each DP rank writes the rows it trained, with the advantages `batch`
+        (the trained batch) holds, to its own shard (one flushed batch); then the artifact
+        cache's step-boundary sync among the producers."""
+        if self.rollout_store is not None and rows.data:
+            data = {d.row: d for d in rows.data}
+            stored = []
             for i, row in enumerate(batch.step_rows.tolist()):
-                summary = rollouts.summaries[row]
-                start = summary.prompt_tokens
-                advantages = batch.advantages[i, start:start + summary.response_tokens].numpy()
-                outgoing.setdefault(self.fleet.layout.owners[summary.producer], []).append((row, advantages))
-        advantages = dict(item for part in self.collectives.exchange(outgoing).values() for item in part)
-        if self.rollout_store is None:
-            return
-        self.rollout_store.write([rollouts.stored_record(row, step, advantages[row]) for row in sorted(rollouts.local)])
+                start, length = len(data[row].prompt_ids), len(data[row].response_ids)
+                stored.append(rows.rollouts.stored_record(data[row], step, batch.advantages[i, start:start + length].numpy()))
+            self.rollout_store.write(sorted(stored, key=lambda r: r.sample_id))
         if self.artifacts is not None:
             self.artifacts.sync()
 

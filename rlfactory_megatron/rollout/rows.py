@@ -34,7 +34,8 @@ class RowSummary:
 
 @dataclass
 class RowData:
-    """One trajectory's tokens, as the ranks that train on it need them."""
+    """One trajectory as the ranks that train on it need it: its tokens, and what the rollout
+    store keeps of it besides (the first rank of the DP rank that trains it writes it)."""
 
     row: int
     prompt_ids: np.ndarray
@@ -42,6 +43,9 @@ class RowData:
     loss_mask: np.ndarray
     log_probs: np.ndarray  # the engine's, of the generated tokens (0 on observation tokens)
     versions: np.ndarray  # the weight version that generated each response token (-1 on observation tokens)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # as the store keeps them
+    stop_reason: str = ""
+    turns: int = 0
 
 
 # Tool failures counted per kind in the metrics (tools/errors/<kind>); others count as "other".
@@ -76,28 +80,30 @@ class Rollouts:
     extra_stats: dict[str, float] = field(default_factory=dict)  # e.g. dynamic sampling's refill counts
 
     def row_data(self, row: int) -> RowData:
+        """A row this process made, to send to the ranks that train it."""
         traj, _ = self.local[row]
         mask = np.asarray(traj.loss_mask, dtype=np.int8)
         versions = np.full(len(mask), -1, dtype=np.int32)
         versions[mask > 0] = self.versions.get(row, [])
-        return RowData(row, np.asarray(traj.prompt_ids, dtype=np.int64), np.asarray(traj.response_ids, dtype=np.int64),
-                       mask, np.asarray(traj.logprobs, dtype=np.float32), versions)
-
-    def stored_record(self, row: int, step: int, advantages: np.ndarray):
-        """A row this process made, as the rollout store keeps it (its reward gathered)."""
-        from rlfactory_megatron.envs.storage import RolloutRecord
-
-        traj, _ = self.local[row]
-        record = self.records[row]
         calls = [{"turn": t, "name": c.name, "arguments": c.arguments, "observation": c.observation,
                   "is_error": c.is_error, "latency_s": c.latency_s}
                  for t, turn in enumerate(traj.turns) for c in turn.tool_calls]
+        return RowData(row, np.asarray(traj.prompt_ids, dtype=np.int64), np.asarray(traj.response_ids, dtype=np.int64),
+                       mask, np.asarray(traj.logprobs, dtype=np.float32), versions, calls, traj.stop_reason,
+                       len(traj.turns))
+
+    def stored_record(self, data: RowData, step: int, advantages: np.ndarray):
+        """A row as the rollout store keeps it, from its data (on any rank: every rank knows each
+        row's prompt record and, once gathered, its reward)."""
+        from rlfactory_megatron.envs.storage import RolloutRecord
+
+        row, record = data.row, self.records[data.row]
         return RolloutRecord(
-            step, f"{row:05d}", np.asarray(traj.prompt_ids), np.asarray(traj.response_ids), np.asarray(traj.loss_mask),
-            np.asarray(traj.logprobs), advantages, float(self.reward.scores[row]), calls,
+            step, f"{row:05d}", data.prompt_ids, data.response_ids, data.loss_mask, data.log_probs, advantages,
+            float(self.reward.scores[row]), data.tool_calls,
             {"data_source": record.data_source, "ground_truth": str(record.ground_truth),
-             "group": row // self.group_size, "stop_reason": traj.stop_reason, "turns": len(traj.turns),
-             "reward_error": self.reward.errors[row], "weight_versions": _runs(self.versions.get(row, [])),
+             "group": row // self.group_size, "stop_reason": data.stop_reason, "turns": data.turns,
+             "reward_error": self.reward.errors[row], "weight_versions": _runs(data.versions[data.loss_mask > 0].tolist()),
              **_model_reward(self.reward.extras[row])})
 
     def staleness(self, version: int) -> dict[str, float]:
@@ -182,13 +188,15 @@ class PendingRollout:
 
 @dataclass
 class TrainRows:
-    """The rows one DP rank trains on (a DP-local batch), the engines' log-probs of them, and the
-    phase they come from (every row's summary; the rows this process made, to score and store)."""
+    """The rows one DP rank trains on (a DP-local batch, and each row's data, to store), the
+    engines' log-probs of them, and the phase they come from (every row's summary; the rows
+    this process made, to score)."""
 
     batch: RolloutBatch
     engine_log_probs: torch.Tensor  # [B, T], aligned to the batch's tokens
     engine_versions: torch.Tensor  # [B, T]: the weight version that generated each token (-1: not generated)
     rollouts: Rollouts
+    data: list[RowData] = field(default_factory=list)  # in the batch's row order
 
 
 def _model_reward(extra: dict) -> dict:

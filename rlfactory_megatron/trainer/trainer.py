@@ -188,8 +188,8 @@ class Trainer:
             from rlfactory_megatron.envs.storage.text import render
 
             shown = sorted(rollouts.local)[:VALIDATION_TEXTS]
-            text = "\n\n".join(render(rollouts.stored_record(row, self.step_index, np.zeros(0)), self.tokenizer,
-                                      prompt_chars=300) for row in shown)
+            text = "\n\n".join(render(rollouts.stored_record(rollouts.row_data(row), self.step_index, np.zeros(0)),
+                                      self.tokenizer, prompt_chars=300) for row in shown)
             self.logger.text("val/trajectories", text, self.step_index)
         return {"val/score_mean": float(np.mean(scores))}
 

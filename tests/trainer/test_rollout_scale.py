@@ -13,6 +13,13 @@ RUN = ("trainer.total_steps=3", "trainer.save_every=0", "actor.mini_batch_size=2
 LAYOUT_KEYS = ("rollout/engine_", "rollout/num_engines", "train/dp_", "/computed_tokens")
 
 
+def _stored_advantages(run_dir) -> dict:
+    from rlfactory_megatron.envs.storage import RolloutStore
+
+    with RolloutStore(run_dir / "cache" / "rollouts", readonly=True) as store:
+        return {(step, r.sample_id): r.advantages.tolist() for step in store.steps() for r in store.read_step(step)}
+
+
 def _assert_every_engine_generated(run_records, engines: int):
     for record in run_records[1:]:
         assert record["rollout/num_engines"] == engines
@@ -54,12 +61,16 @@ def test_two_engines_colocated_disaggregated_or_context_parallel_make_the_sample
         assert record["train/dp_rows_min"] >= 1 and record["train/dp_rows_min"] + record["train/dp_rows_max"] == 4
         assert record["train/dp_token_imbalance"] >= 1.0
     assert all(r["train/dp_rows_min"] == 4 for r in first[1:] + pooled[1:] + context[1:])  # CP ranks share the rows
-    # One shard per engine process, and together they hold each trained trajectory once.
+    # One shard per DP rank (its first rank writes what it trained); together they hold each trajectory once.
     shards = sorted(p.name for p in (tmp_path / "two" / "cache" / "rollouts").iterdir())
     assert shards == ["shard-00000-of-00002.h5", "shard-00001-of-00002.h5"]
     alone, together = stored_trajectories(tmp_path / "one"), stored_trajectories(tmp_path / "two")
     assert sorted(together) == sorted(alone) == [(s, f"{r:05d}") for s in (1, 2, 3) for r in range(4)]
     assert together == alone  # the same token ids, masks and rewards
+    # Stored where trained (each DP rank's first rank writes its rows): the advantages that rank
+    # computed, equal to the one-rank run's, in the shard of the DP rank that trained the row.
+    assert _stored_advantages(tmp_path / "two") == _stored_advantages(tmp_path / "one")
+    assert _stored_advantages(tmp_path / "pool_dp") == _stored_advantages(tmp_path / "pool")
     assert stored_trajectories(tmp_path / "pool") == stored_trajectories(tmp_path / "pool_dp") == alone
     assert stored_trajectories(tmp_path / "cp") == alone  # each trajectory once: one DP rank writes its rows
     for run in (second, pooled, pooled_dp, context):
