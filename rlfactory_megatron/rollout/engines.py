@@ -358,12 +358,26 @@ def _reload_bucket(worker, bucket, first: bool) -> None:
     model = worker.model_runner.get_model()
     with set_current_vllm_config(worker.vllm_config):
         if first:
+            _rebuild_expert_kernels_on_reload(model)
             initialize_layerwise_reload(model)
         model.load_weights(iter(bucket))
     if staged:
         _copy_weights_layers_still_wait_for()
         if torch.cuda.is_available():  # done reading the buffer before the sender may pack it again
             torch.cuda.synchronize()
+
+
+def _rebuild_expert_kernels_on_reload(model: torch.nn.Module) -> None:
+    """vLLM's unquantized MoE method lays a layer's experts out for its kernel (on CPU: packed for
+    its grouped GEMM) only when it builds the kernel, on the first load; a reload finding a kernel
+    keeps the checkpoint layout, and the CPU kernel then computes from unpacked experts (the synced
+    engine's log-probs left a fresh engine's by ~1e-2). Without a kernel, the reload's processing
+    builds it again from the new weights and lays them out as a first load does; the layerwise
+    reload copies the result into the layer's own tensors, on GPU too (CUDA graphs keep them)."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if getattr(method, "moe_kernel", None) is not None:
+            method.moe_kernel = None
 
 
 def _copy_weights_layers_still_wait_for() -> None:

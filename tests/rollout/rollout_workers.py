@@ -283,3 +283,41 @@ def sync_mid_decode_worker(hf_dir: str) -> dict:
         return {"calls": calls, "tokens": len(ids), "gaps": gaps, "cut_before_done": cut_before_done}
     finally:
         destroy_distributed()
+
+
+def moe_sync_worker(hf_dir: str, ep: int, fresh_dir: str) -> dict:
+    """A MoE actor with its experts over `ep` ranks: one update, a sync into rank 0's engine (in
+    0.1 MB buckets), then the same seeded requests on that engine and on a fresh one started from
+    the actor's weights written as a HF folder."""
+    from rlfactory_megatron.models.builder import MoEOptions
+    from rlfactory_megatron.models.hf_checkpoint import write_hf_folder
+
+    init_distributed(ParallelSizes(ep=ep), seed=3)
+    try:
+        cfg = load_config(overrides=["actor.optim.lr=1e-3", "actor.optim.adam_eps=1e-4",
+                                     "actor.max_tokens_per_microbatch=256", "actor.mini_batch_size=16"])
+        arch = load_arch(hf_dir)
+        actor = Actor(cfg.actor, arch, hf_dir, BuildOptions(moe=MoEOptions(**cfg.model.moe)), total_steps=10)
+        engine, transport = _leader_engine(hf_dir, None)
+        sampling = SamplingConfig(n=2, max_tokens=12, seed=11)
+        seeds = list(range(len(PROMPTS)))
+        generations = _generate_on_leader(engine, sampling)
+        batch, engine_lp = batch_from_generations(PROMPTS, generations)
+        actor.update(batch.with_fields(old_log_probs=engine_lp, advantages=torch.randn(batch.input_ids.shape)))
+        stats = sync_weights(actor.engine, transport, 0.1)
+        write_hf_folder(actor.engine.iter_hf_weights(), fresh_dir, hf_dir, arch.hf_config, writer=dist.get_rank() == 0)
+        synced = [engine.generate(PROMPTS, sampling, seeds) if engine is not None else None]
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(synced, src=0)
+        batch, synced_lp = batch_from_generations(PROMPTS, synced[0])
+        actor_lp = actor.compute_log_probs(batch)["log_probs"]
+        report = {"rank": dist.get_rank(), "synced": synced[0],
+                  "actor_gap": (actor_lp - synced_lp)[batch.loss_mask > 0].abs().max().item()}
+        if engine is not None:
+            engine.close()
+            fresh = VLLMEngine(fresh_dir, max_model_len=128, max_num_seqs=8)
+            report.update(fresh=fresh.generate(PROMPTS, sampling, seeds), buckets=stats.buckets)
+            fresh.close()
+        return report
+    finally:
+        destroy_distributed()
