@@ -13,6 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
+import numpy as np
 import torch
 
 from rlfactory_megatron.registry import Registry
@@ -46,6 +47,9 @@ class Generation:
     token_ids: list[int]
     log_probs: list[float]
     finish_reason: str = ""
+    # A MoE engine recording its routes: the experts of each input position (prompt and sampled
+    # tokens but the last), [positions, layers, top-k]; -1 at positions it did not compute.
+    routes: np.ndarray | None = None
 
 
 class RolloutEngine(Protocol):
@@ -95,7 +99,8 @@ class VLLMEngine:
     def __init__(self, hf_dir: str, dtype: str = "float32", tensor_parallel_size: int = 1,
                  max_model_len: int = 1024, max_num_seqs: int = 64, memory_utilization: float = 0.1,
                  seed: int = 0, enable_sleep_mode: bool = False, in_process: bool | None = None,
-                 staging_devices: list[torch.device] | None = None, batch_invariant: bool = False) -> None:
+                 staging_devices: list[torch.device] | None = None, batch_invariant: bool = False,
+                 record_routes: bool = False) -> None:
         import torch.distributed as dist
 
         if in_process is None:
@@ -175,6 +180,11 @@ class VLLMEngine:
             self._loading = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlf-weight-load")
         self._load_in_flight: Future | None = None
         self.message_bytes = 0  # the serialized size of every weight call's arguments, all updates together
+        self.record_routes = record_routes  # a MoE engine's routes, returned with each Generation (R3)
+        if record_routes:
+            from rlfactory_megatron.rollout.engine_routes import start_route_capture
+
+            self.llm.collective_rpc(start_route_capture)
         if in_process:
             _quiet_per_step_logs()
 
@@ -196,7 +206,16 @@ class VLLMEngine:
         with unchecked():
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
                                         use_tqdm=False)
-        return [[_generation(completion) for completion in output.outputs] for output in outputs]
+        generations = [[_generation(completion) for completion in output.outputs] for output in outputs]
+        if self.record_routes:
+            from rlfactory_megatron.rollout.engine_routes import take_routes
+
+            routes = self.llm.collective_rpc(take_routes)[0]
+            for output, samples, prompt in zip(outputs, generations, prompts):
+                for completion, sample in zip(output.outputs, samples):
+                    computed = len(prompt) + len(sample.token_ids) - 1  # the last sampled token is never fed
+                    sample.routes = routes[output.request_id, completion.index][:computed]
+        return generations
 
     # Streaming: requests join and leave the running batch between engine steps (what
     # `rollout.async_engine.StreamingEngine` drives). Not thread-safe, like `generate`: one caller.

@@ -321,3 +321,37 @@ def moe_sync_worker(hf_dir: str, ep: int, fresh_dir: str) -> dict:
         return report
     finally:
         destroy_distributed()
+
+
+def engine_routes_worker(hf_dir: str) -> dict:
+    """A MoE engine recording its routes (R3's hook): its samples, with the experts it routed each
+    token to, replayed in the actor (R2's replay, fed the engine's routes instead of its own)."""
+    from rlfactory_megatron.actor.routing import NO_ROUTE
+    from rlfactory_megatron.models.builder import MoEOptions
+
+    init_distributed(ParallelSizes(), seed=3)
+    try:
+        cfg = load_config(overrides=["actor.max_tokens_per_microbatch=64", "actor.mini_batch_size=16",
+                                     "actor.moe.routing_replay=R2"])
+        arch = load_arch(hf_dir)
+        actor = Actor(cfg.actor, arch, hf_dir, BuildOptions(moe=MoEOptions(**cfg.model.moe)), total_steps=10)
+        engine = VLLMEngine(hf_dir, max_model_len=128, max_num_seqs=8, record_routes=True)
+        generations = engine.generate(PROMPTS, SamplingConfig(n=2, max_tokens=12, seed=11))
+        batch, engine_lp = batch_from_generations(PROMPTS, generations)
+        samples = [g for gens in generations for g in gens]
+        # aligned like the log-probs: at token t the routes of position t - 1, which predicts it
+        routes = torch.full((*batch.input_ids.shape, arch.num_layers, arch.moe.top_k), NO_ROUTE,
+                            dtype=torch.int16)
+        for row, sample in enumerate(samples):
+            routes[row, 1: 1 + len(sample.routes)] = torch.from_numpy(sample.routes)
+        own = actor.compute_log_probs(batch)
+        replayed = batch.with_fields(old_log_probs=own["log_probs"], ref_log_probs=own["log_probs"],
+                                     routes=routes, advantages=torch.randn(batch.input_ids.shape))
+        metrics, first_forward = actor.update_with_log_probs(replayed)
+        mask = batch.loss_mask > 0
+        engine.close()
+        return {"routes": routes, "own_routes": own["routes"], "mask": mask, "metrics": metrics,
+                "replayed_gap": (first_forward - engine_lp)[mask].abs().max().item(),
+                "shapes": [s.routes.shape for s in samples], "lengths": batch.lengths.tolist()}
+    finally:
+        destroy_distributed()

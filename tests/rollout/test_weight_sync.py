@@ -275,3 +275,17 @@ def test_a_moe_engine_synced_from_experts_over_ep_ranks_equals_a_fresh_one(tiny_
     assert [[g.log_probs for g in gens] for gens in synced] == [[g.log_probs for g in gens] for gens in fresh]
     assert report["buckets"] > 3  # the experts arrived over several buckets
     assert report["actor_gap"] <= 1e-3, report  # and the engine serves the actor's policy
+
+
+def test_a_moe_engine_returns_its_routes_and_the_actor_replaying_them_computes_its_log_probs(tiny_hf_dirs):
+    # R3's hook in the engine's worker: the experts it routed each token to, per request, layer
+    # and position. They must be the trainer's own routes for the same tokens (alignment, layers,
+    # requests of a batch all right), and replayed in the actor give the engine's log-probs.
+    report = spawn_local_workers(rollout_workers.engine_routes_worker, 1, tiny_hf_dirs["qwen3_moe"])[0]
+    engine, own, mask = report["routes"].int(), report["own_routes"], report["mask"]
+    known = (engine >= 0).all(-1).all(-1)
+    assert known[mask].all()  # every trained token has the engine's routes
+    same = (own.sort(-1).values == engine.sort(-1).values).all(-1).all(-1)
+    assert (same | ~known).all() and known.sum() > 100
+    assert report["metrics"]["moe/routing_agreement"] == 1
+    assert report["replayed_gap"] <= 1e-4
