@@ -10,7 +10,7 @@ from functools import partial
 import numpy as np
 import torch
 
-NO_ROUTE = -1  # a position the engine did not compute in this request (a prefix-cache hit)
+from rlfactory_megatron.actor.routing import NO_ROUTE  # also at positions this request did not compute (prefix-cache hits)
 
 # vLLM's internal request ids: "<external id>-<8 hex>", a parallel-sampling child "<index>_<parent's>".
 _INTERNAL_ID = re.compile(r"^(?:(?P<index>\d+)_)?(?P<external>.+)-[0-9a-f]{8}$")
