@@ -63,14 +63,15 @@ class RouteCapture:
             self.routes[rid] = routes = grown
         return routes
 
-    def take(self) -> dict[tuple[str, int], np.ndarray]:
-        """The routes of every request since the last take, by (external request id, sample index)."""
-        taken = {}
-        for rid, routes in self.routes.items():
+    def take(self, request_ids: list[str]) -> dict[tuple[str, int], np.ndarray]:
+        """The routes of the requests named by their (external) ids, by (id, sample index): no
+        longer kept."""
+        wanted, taken = set(request_ids), {}
+        for rid in list(self.routes):
             match = _INTERNAL_ID.match(rid)
-            key = (match["external"], int(match["index"] or 0)) if match else (rid, 0)
-            taken[key] = routes.numpy()
-        self.routes = {}
+            external, index = (match["external"], int(match["index"] or 0)) if match else (rid, 0)
+            if external in wanted:
+                taken[external, index] = self.routes.pop(rid).numpy()
         return taken
 
 
@@ -81,6 +82,6 @@ def start_route_capture(worker) -> None:
                                             config.get_num_experts_per_tok())
 
 
-def take_routes(worker) -> dict[tuple[str, int], np.ndarray]:
-    """Runs inside vLLM's worker: the routes recorded since the last call."""
-    return worker.rlf_route_capture.take()
+def take_routes(worker, request_ids: list[str]) -> dict[tuple[str, int], np.ndarray]:
+    """Runs inside vLLM's worker: the routes the requests `request_ids` took (finished or aborted)."""
+    return worker.rlf_route_capture.take(request_ids)

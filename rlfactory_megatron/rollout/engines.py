@@ -206,16 +206,24 @@ class VLLMEngine:
         with unchecked():
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
                                         use_tqdm=False)
-        generations = [[_generation(completion) for completion in output.outputs] for output in outputs]
-        if self.record_routes:
-            from rlfactory_megatron.rollout.engine_routes import take_routes
+        return self._generations(outputs)
 
-            routes = self.llm.collective_rpc(take_routes)[0]
-            for output, samples, prompt in zip(outputs, generations, prompts):
+    def _generations(self, outputs) -> list[list[Generation]]:
+        """The samples of finished vLLM outputs, with the routes the engine took when it records them."""
+        generations = [[_generation(completion) for completion in output.outputs] for output in outputs]
+        if self.record_routes and outputs:
+            routes = self._take_routes([output.request_id for output in outputs])
+            for output, samples in zip(outputs, generations):
                 for completion, sample in zip(output.outputs, samples):
-                    computed = len(prompt) + len(sample.token_ids) - 1  # the last sampled token is never fed
+                    computed = len(output.prompt_token_ids) + len(sample.token_ids) - 1  # the last is never fed
                     sample.routes = routes[output.request_id, completion.index][:computed]
         return generations
+
+    def _take_routes(self, request_ids: list[str]) -> dict:
+        from rlfactory_megatron.rollout.engine_routes import take_routes
+
+        with unchecked():
+            return self.llm.collective_rpc(take_routes, args=(request_ids,))[0]
 
     # Streaming: requests join and leave the running batch between engine steps (what
     # `rollout.async_engine.StreamingEngine` drives). Not thread-safe, like `generate`: one caller.
@@ -233,10 +241,13 @@ class VLLMEngine:
         """One engine step (a forward pass over every running request): the requests it finished."""
         with unchecked():
             outputs = self.llm.llm_engine.step()
-        return [(output.request_id, _generation(output.outputs[0])) for output in outputs if output.finished]
+        finished = [output for output in outputs if output.finished]
+        return [(output.request_id, samples[0]) for output, samples in zip(finished, self._generations(finished))]
 
     def abort(self, request_ids: list[str]) -> None:
         self.llm.llm_engine.abort_request(list(request_ids))
+        if self.record_routes:  # what they routed so far goes with them
+            self._take_routes(list(request_ids))
 
     def interrupt(self, request_ids: list[str]) -> dict[str, Generation]:
         """Ends running requests between two steps: what each generated so far (its tokens and

@@ -1,8 +1,10 @@
 """Rank bodies for the rollout/weight-sync tests (importable by spawned processes)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -349,8 +351,19 @@ def engine_routes_worker(hf_dir: str) -> dict:
                                      routes=routes, advantages=torch.randn(batch.input_ids.shape))
         metrics, first_forward = actor.update_with_log_probs(replayed)
         mask = batch.loss_mask > 0
+        # The streaming path (submit / step, as the agent loop's front drives it) takes the same routes.
+        single = SamplingConfig(n=1, max_tokens=12)
+        whole = [gens[0] for gens in engine.generate(PROMPTS, single, seeds=[21, 22, 23, 24])]
+        for index, prompt in enumerate(PROMPTS):
+            engine.submit(f"stream-{index}", prompt, dataclasses.replace(single, seed=21 + index))
+        streamed = {}
+        while len(streamed) < len(PROMPTS):
+            streamed.update(engine.step())
+        streamed = [streamed[f"stream-{index}"] for index in range(len(PROMPTS))]
         engine.close()
-        return {"routes": routes, "own_routes": own["routes"], "mask": mask, "metrics": metrics,
+        return {"streamed_equal": [(a.token_ids == b.token_ids and np.array_equal(a.routes, b.routes)
+                                    and (a.routes >= 0).all()) for a, b in zip(whole, streamed)],
+                "routes": routes, "own_routes": own["routes"], "mask": mask, "metrics": metrics,
                 "replayed_gap": (first_forward - engine_lp)[mask].abs().max().item(),
                 "shapes": [s.routes.shape for s in samples], "lengths": batch.lengths.tolist()}
     finally:

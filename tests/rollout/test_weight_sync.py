@@ -289,3 +289,4 @@ def test_a_moe_engine_returns_its_routes_and_the_actor_replaying_them_computes_i
     assert (same | ~known).all() and known.sum() > 100
     assert report["metrics"]["moe/routing_agreement"] == 1
     assert report["replayed_gap"] <= 1e-4
+    assert report["streamed_equal"] == [True] * 4
