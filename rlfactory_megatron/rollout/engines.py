@@ -13,6 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
+import numpy as np
 import torch
 
 from rlfactory_megatron.registry import Registry
@@ -53,6 +54,9 @@ class Generation:
     token_ids: list[int]
     log_probs: list[float]
     finish_reason: str = ""
+    # A MoE engine recording its routes: the experts of each input position (prompt and sampled
+    # tokens but the last), [positions, layers, top-k]; -1 at positions it did not compute.
+    routes: np.ndarray | None = None
 
 
 class RolloutEngine(Protocol):
@@ -102,7 +106,8 @@ class VLLMEngine:
     def __init__(self, hf_dir: str, dtype: str = "float32", tensor_parallel_size: int = 1,
                  max_model_len: int = 1024, max_num_seqs: int = 64, memory_utilization: float = 0.1,
                  seed: int = 0, enable_sleep_mode: bool = False, in_process: bool | None = None,
-                 staging_devices: list[torch.device] | None = None, batch_invariant: bool = False) -> None:
+                 staging_devices: list[torch.device] | None = None, batch_invariant: bool = False,
+                 record_routes: bool = False) -> None:
         import torch.distributed as dist
 
         if in_process is None:
@@ -182,6 +187,11 @@ class VLLMEngine:
             self._loading = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlf-weight-load")
         self._load_in_flight: Future | None = None
         self.message_bytes = 0  # the serialized size of every weight call's arguments, all updates together
+        self.record_routes = record_routes  # a MoE engine's routes, returned with each Generation (R3)
+        if record_routes:
+            from rlfactory_megatron.rollout.engine_routes import start_route_capture
+
+            self.llm.collective_rpc(start_route_capture)
         if in_process:
             _quiet_per_step_logs()
 
@@ -203,7 +213,24 @@ class VLLMEngine:
         with unchecked():
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
                                         use_tqdm=False)
-        return [[_generation(completion) for completion in output.outputs] for output in outputs]
+        return self._generations(outputs)
+
+    def _generations(self, outputs) -> list[list[Generation]]:
+        """The samples of finished vLLM outputs, with the routes the engine took when it records them."""
+        generations = [[_generation(completion) for completion in output.outputs] for output in outputs]
+        if self.record_routes and outputs:
+            routes = self._take_routes([output.request_id for output in outputs])
+            for output, samples in zip(outputs, generations):
+                for completion, sample in zip(output.outputs, samples):
+                    computed = len(output.prompt_token_ids) + len(sample.token_ids) - 1  # the last is never fed
+                    sample.routes = routes[output.request_id, completion.index][:computed]
+        return generations
+
+    def _take_routes(self, request_ids: list[str]) -> dict:
+        from rlfactory_megatron.rollout.engine_routes import take_routes
+
+        with unchecked():
+            return self.llm.collective_rpc(take_routes, args=(request_ids,))[0]
 
     # Streaming: requests join and leave the running batch between engine steps (what
     # `rollout.async_engine.StreamingFront` drives). Not thread-safe, like `generate`: one caller.
@@ -221,10 +248,13 @@ class VLLMEngine:
         """One engine step (a forward pass over every running request): the requests it finished."""
         with unchecked():
             outputs = self.llm.llm_engine.step()
-        return [(output.request_id, _generation(output.outputs[0])) for output in outputs if output.finished]
+        finished = [output for output in outputs if output.finished]
+        return [(output.request_id, samples[0]) for output, samples in zip(finished, self._generations(finished))]
 
     def abort(self, request_ids: list[str]) -> None:
         self.llm.llm_engine.abort_request(list(request_ids))
+        if self.record_routes:  # what they routed so far goes with them
+            self._take_routes(list(request_ids))
 
     def interrupt(self, request_ids: list[str]) -> dict[str, Generation]:
         """Ends running requests between two steps: what each generated so far (its tokens and
@@ -365,12 +395,26 @@ def _reload_bucket(worker, bucket, first: bool) -> None:
     model = worker.model_runner.get_model()
     with set_current_vllm_config(worker.vllm_config):
         if first:
+            _rebuild_expert_kernels_on_reload(model)
             initialize_layerwise_reload(model)
         model.load_weights(iter(bucket))
     if staged:
         _copy_weights_layers_still_wait_for()
         if torch.cuda.is_available():  # done reading the buffer before the sender may pack it again
             torch.cuda.synchronize()
+
+
+def _rebuild_expert_kernels_on_reload(model: torch.nn.Module) -> None:
+    """vLLM's unquantized MoE method lays a layer's experts out for its kernel (on CPU: packed for
+    its grouped GEMM) only when it builds the kernel, on the first load; a reload finding a kernel
+    keeps the checkpoint layout, and the CPU kernel then computes from unpacked experts (the synced
+    engine's log-probs left a fresh engine's by ~1e-2). Without a kernel, the reload's processing
+    builds it again from the new weights and lays them out as a first load does; the layerwise
+    reload copies the result into the layer's own tensors, on GPU too (CUDA graphs keep them)."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if getattr(method, "moe_kernel", None) is not None:
+            method.moe_kernel = None
 
 
 def _copy_weights_layers_still_wait_for() -> None:

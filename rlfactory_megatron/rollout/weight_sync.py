@@ -18,8 +18,11 @@ import torch.distributed as dist
 
 from rlfactory_megatron.registry import Registry
 
-# Tensors vLLM fuses into one parameter must arrive in the same load call.
+# Tensors vLLM fuses into one parameter must arrive in the same load call. A MoE layer's experts
+# are one vLLM module (its fused w13 / w2 over all experts), processed once all have arrived: they
+# travel together, so no layer waits across buckets holding the ones that came first.
 _FUSED = (
+    (re.compile(r"^(.*\.mlp\.experts)\.\d+\.(gate|up|down)_proj\.weight$"), r"\1"),
     (re.compile(r"^(.*\.self_attn)\.[qkv]_proj\.(weight|bias)$"), r"\1.qkv"),
     (re.compile(r"^(.*\.mlp)\.(gate|up)_proj\.weight$"), r"\1.gate_up"),
 )

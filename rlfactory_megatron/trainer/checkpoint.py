@@ -60,13 +60,15 @@ def save_checkpoint(output: Path, step: int, actor, critic, sampler, keep_last: 
 def _write_hf(engine, out: Path, hf_dir: str) -> None:
     """The model as a HF folder in its checkpoint's dtype, with the run's model files (config,
     tokenizer, chat template): each full tensor gathered over TP and PP (engine.iter_hf_weights)
-    into rank 0's safetensors shards, never the whole model in one process. Data-parallel
-    replicas hold the same weights and sit it out."""
+    into rank 0's safetensors shards, never the whole model in one process. Replicas of the
+    weights rank 0 gathers sit it out: the expert-data-parallel ones, which at ep 1 are the
+    data-parallel replicas; at ep > 1 a MoE model's experts are spread over data-parallel ranks,
+    whose export gathers them (they all take part)."""
     from megatron.core import parallel_state
 
     from rlfactory_megatron.models.hf_checkpoint import write_hf_folder
 
-    if parallel_state.get_data_parallel_rank() != 0:
+    if parallel_state.get_expert_data_parallel_rank() != 0:
         return
     tensors = engine.iter_hf_weights(dtype=getattr(torch, engine.arch.torch_dtype))
     write_hf_folder(tensors, out, hf_dir, engine.arch.hf_config, writer=dist.get_rank() == 0)

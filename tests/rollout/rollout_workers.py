@@ -1,8 +1,10 @@
 """Rank bodies for the rollout/weight-sync tests (importable by spawned processes)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -281,5 +283,88 @@ def sync_mid_decode_worker(hf_dir: str) -> dict:
             gaps[name] = (gap[:before].max().item(), gap[before:].max().item())
         engine.close()
         return {"calls": calls, "tokens": len(ids), "gaps": gaps, "cut_before_done": cut_before_done}
+    finally:
+        destroy_distributed()
+
+
+def moe_sync_worker(hf_dir: str, ep: int, fresh_dir: str) -> dict:
+    """A MoE actor with its experts over `ep` ranks: one update, a sync into rank 0's engine (in
+    0.1 MB buckets), then the same seeded requests on that engine and on a fresh one started from
+    the actor's weights written as a HF folder."""
+    from rlfactory_megatron.models.builder import MoEOptions
+    from rlfactory_megatron.models.hf_checkpoint import write_hf_folder
+
+    init_distributed(ParallelSizes(ep=ep), seed=3)
+    try:
+        cfg = load_config(overrides=["actor.optim.lr=1e-3", "actor.optim.adam_eps=1e-4",
+                                     "actor.max_tokens_per_microbatch=256", "actor.mini_batch_size=16"])
+        arch = load_arch(hf_dir)
+        actor = Actor(cfg.actor, arch, hf_dir, BuildOptions(moe=MoEOptions(**cfg.model.moe)), total_steps=10)
+        engine, transport = _leader_engine(hf_dir, None)
+        sampling = SamplingConfig(n=2, max_tokens=12, seed=11)
+        seeds = list(range(len(PROMPTS)))
+        generations = _generate_on_leader(engine, sampling)
+        batch, engine_lp = batch_from_generations(PROMPTS, generations)
+        actor.update(batch.with_fields(old_log_probs=engine_lp, advantages=torch.randn(batch.input_ids.shape)))
+        stats = sync_weights(actor.engine, transport, 0.1)
+        write_hf_folder(actor.engine.iter_hf_weights(), fresh_dir, hf_dir, arch.hf_config, writer=dist.get_rank() == 0)
+        synced = [engine.generate(PROMPTS, sampling, seeds) if engine is not None else None]
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(synced, src=0)
+        batch, synced_lp = batch_from_generations(PROMPTS, synced[0])
+        actor_lp = actor.compute_log_probs(batch)["log_probs"]
+        report = {"rank": dist.get_rank(), "synced": synced[0],
+                  "actor_gap": (actor_lp - synced_lp)[batch.loss_mask > 0].abs().max().item()}
+        if engine is not None:
+            engine.close()
+            fresh = VLLMEngine(fresh_dir, max_model_len=128, max_num_seqs=8)
+            report.update(fresh=fresh.generate(PROMPTS, sampling, seeds), buckets=stats.buckets)
+            fresh.close()
+        return report
+    finally:
+        destroy_distributed()
+
+
+def engine_routes_worker(hf_dir: str) -> dict:
+    """A MoE engine recording its routes (R3's hook): its samples, with the experts it routed each
+    token to, replayed in the actor (R2's replay, fed the engine's routes instead of its own)."""
+    from rlfactory_megatron.actor.routing import NO_ROUTE
+    from rlfactory_megatron.models.builder import MoEOptions
+
+    init_distributed(ParallelSizes(), seed=3)
+    try:
+        cfg = load_config(overrides=["actor.max_tokens_per_microbatch=64", "actor.mini_batch_size=16",
+                                     "actor.moe.routing_replay=R2"])
+        arch = load_arch(hf_dir)
+        actor = Actor(cfg.actor, arch, hf_dir, BuildOptions(moe=MoEOptions(**cfg.model.moe)), total_steps=10)
+        engine = VLLMEngine(hf_dir, max_model_len=128, max_num_seqs=8, record_routes=True)
+        generations = engine.generate(PROMPTS, SamplingConfig(n=2, max_tokens=12, seed=11))
+        batch, engine_lp = batch_from_generations(PROMPTS, generations)
+        samples = [g for gens in generations for g in gens]
+        # aligned like the log-probs: at token t the routes of position t - 1, which predicts it
+        routes = torch.full((*batch.input_ids.shape, arch.num_layers, arch.moe.top_k), NO_ROUTE,
+                            dtype=torch.int16)
+        for row, sample in enumerate(samples):
+            routes[row, 1: 1 + len(sample.routes)] = torch.from_numpy(sample.routes)
+        own = actor.compute_log_probs(batch)
+        replayed = batch.with_fields(old_log_probs=own["log_probs"], ref_log_probs=own["log_probs"],
+                                     routes=routes, advantages=torch.randn(batch.input_ids.shape))
+        metrics, first_forward = actor.update_with_log_probs(replayed)
+        mask = batch.loss_mask > 0
+        # The streaming path (submit / step, as the agent loop's front drives it) takes the same routes.
+        single = SamplingConfig(n=1, max_tokens=12)
+        whole = [gens[0] for gens in engine.generate(PROMPTS, single, seeds=[21, 22, 23, 24])]
+        for index, prompt in enumerate(PROMPTS):
+            engine.submit(f"stream-{index}", prompt, dataclasses.replace(single, seed=21 + index))
+        streamed = {}
+        while len(streamed) < len(PROMPTS):
+            streamed.update(engine.step())
+        streamed = [streamed[f"stream-{index}"] for index in range(len(PROMPTS))]
+        engine.close()
+        return {"streamed_equal": [(a.token_ids == b.token_ids and np.array_equal(a.routes, b.routes)
+                                    and (a.routes >= 0).all()) for a, b in zip(whole, streamed)],
+                "routes": routes, "own_routes": own["routes"], "mask": mask, "metrics": metrics,
+                "replayed_gap": (first_forward - engine_lp)[mask].abs().max().item(),
+                "shapes": [s.routes.shape for s in samples], "lengths": batch.lengths.tolist()}
     finally:
         destroy_distributed()

@@ -74,7 +74,11 @@ def test_buckets_respect_the_budget_and_never_split_fused_groups():
                    ("model.layers.0.self_attn.q_proj.weight", 40), ("model.layers.0.self_attn.k_proj.weight", 20),
                    ("model.layers.0.self_attn.v_proj.weight", 20), ("model.layers.0.self_attn.q_proj.bias", 4),
                    ("model.layers.0.mlp.gate_proj.weight", 60), ("model.layers.0.mlp.up_proj.weight", 60),
-                   ("model.layers.0.mlp.down_proj.weight", 60), ("model.norm.weight", 4))
+                   ("model.layers.0.mlp.down_proj.weight", 60),
+                   # a MoE layer: all its experts are one vLLM module (fused w13 / w2 over experts)
+                   ("model.layers.1.mlp.gate.weight", 8),
+                   *[(f"model.layers.1.mlp.experts.{e}.{proj}_proj.weight", 30) for e in range(2)
+                     for proj in ("gate", "up", "down")], ("model.norm.weight", 4))
     buckets = list(iter_buckets(named, bucket_bytes=100 * 4))
     assert [n for b in buckets for n, _ in b] == [n for n, _ in named]  # order and completeness
     for bucket in buckets:
@@ -84,6 +88,7 @@ def test_buckets_respect_the_budget_and_never_split_fused_groups():
         size = sum(t.numel() * 4 for _, t in bucket)
         assert size <= 400 or len(groups) == 1  # only a single oversized group may exceed the budget
     assert fused_group("model.layers.3.self_attn.k_proj.bias") == "model.layers.3.self_attn.qkv"
+    assert fused_group("model.layers.3.mlp.experts.7.down_proj.weight") == "model.layers.3.mlp.experts"
 
 
 def test_manifest_check_lists_every_difference():
@@ -256,3 +261,32 @@ def test_a_sync_between_two_decode_steps_cuts_a_request_and_its_later_tokens_are
     (initial_before, initial_after), (actor_before, actor_after) = report["gaps"]["initial"], report["gaps"]["actor"]
     assert initial_before <= 1e-4 and actor_after <= 1e-4, report
     assert actor_before > 1e-3 and initial_after > 1e-3, report  # the update did change the policy
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_a_moe_engine_synced_from_experts_over_ep_ranks_equals_a_fresh_one(tiny_hf_dirs, tmp_path, ep):
+    # vLLM-CPU packs its experts for its MoE kernel on the first load only: after a layerwise
+    # reload it kept them in checkpoint layout, and the synced engine sampled other tokens than a
+    # fresh engine with the same weights. The sync resets the expert kernels; then equal bit for bit.
+    report = spawn_local_workers(rollout_workers.moe_sync_worker, ep, tiny_hf_dirs["qwen3_moe"], ep,
+                                 str(tmp_path / "fresh"))[0]
+    synced, fresh = report["synced"], report["fresh"]
+    assert [[g.token_ids for g in gens] for gens in synced] == [[g.token_ids for g in gens] for gens in fresh]
+    assert [[g.log_probs for g in gens] for gens in synced] == [[g.log_probs for g in gens] for gens in fresh]
+    assert report["buckets"] > 3  # the experts arrived over several buckets
+    assert report["actor_gap"] <= 1e-3, report  # and the engine serves the actor's policy
+
+
+def test_a_moe_engine_returns_its_routes_and_the_actor_replaying_them_computes_its_log_probs(tiny_hf_dirs):
+    # R3's hook in the engine's worker: the experts it routed each token to, per request, layer
+    # and position. They must be the trainer's own routes for the same tokens (alignment, layers,
+    # requests of a batch all right), and replayed in the actor give the engine's log-probs.
+    report = spawn_local_workers(rollout_workers.engine_routes_worker, 1, tiny_hf_dirs["qwen3_moe"])[0]
+    engine, own, mask = report["routes"].int(), report["own_routes"], report["mask"]
+    known = (engine >= 0).all(-1).all(-1)
+    assert known[mask].all()  # every trained token has the engine's routes
+    same = (own.sort(-1).values == engine.sort(-1).values).all(-1).all(-1)
+    assert (same | ~known).all() and known.sum() > 100
+    assert report["metrics"]["moe/routing_agreement"] == 1
+    assert report["replayed_gap"] <= 1e-4
+    assert report["streamed_equal"] == [True] * 4

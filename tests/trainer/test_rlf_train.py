@@ -145,6 +145,31 @@ def test_rollout_correction_runs_on_the_trainers_own_old_log_probs(tmp_path):
         assert record["rollout/logprob_gap_max"] <= 1e-3  # the old log-probs were computed, not skipped
 
 
+def test_moe_with_experts_over_two_ranks_trains_with_replay_syncs_exactly_and_saves(tmp_path):
+    # tiny://qwen3_moe with parallel.ep=2 started by hand: 2 ranks, an engine each. Mini-batches of
+    # 2 rows: a separate old-log-prob pass, whose routes the update replays (R2), and the engine's
+    # log-probs compared with the trainer's every step: after each sync the engines serve the
+    # trainer's weights (vLLM-CPU kept its experts unpacked after a reload: ~1e-2 apart).
+    out = rlf_train(tmp_path, "moe", "model.path=tiny://qwen3_moe", "parallel.ep=2", "trainer.total_steps=3",
+                    "trainer.val_every=0", "actor.mini_batch_size=2", "actor.moe.routing_replay=R2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "ep=2 on 2 rank(s)" in out.stdout
+    steps = records(tmp_path / "moe")
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for record in steps:
+        assert record["rollout/num_engines"] == 2
+        assert record["rollout/logprob_gap_max"] <= 1e-5, record  # measured 5e-7 to 1e-6
+        assert 0 < record["moe/routing_agreement"] <= 1
+        assert all(f"moe/load_imbalance/layer{layer}" in record for layer in range(4))
+    # The checkpoint's HF folder at ep 2: every expert of every layer, gathered over both ranks.
+    from rlfactory_megatron.models.hf_checkpoint import iter_safetensors
+
+    names = {name for name, _ in iter_safetensors(tmp_path / "moe" / "checkpoints" / "step_000002" / "hf")}
+    assert {f"model.layers.{layer}.mlp.experts.{expert}.down_proj.weight" for layer in range(4)
+            for expert in range(8)} <= names
+    assert len(stored_trajectories(tmp_path / "moe")) == 3 * 4
+
+
 def test_bad_config_fails_before_any_work(tmp_path):
     out = rlf_train(tmp_path, "bad", "trainer.algorithm=ppo3")
     assert out.returncode == 2 and "trainer.algorithm='ppo3' is not allowed" in out.stderr
