@@ -306,8 +306,8 @@ def moe_sync_worker(hf_dir: str, ep: int, fresh_dir: str) -> dict:
         generations = _generate_on_leader(engine, sampling)
         batch, engine_lp = batch_from_generations(PROMPTS, generations)
         actor.update(batch.with_fields(old_log_probs=engine_lp, advantages=torch.randn(batch.input_ids.shape)))
-        stats = sync_weights(actor.engine, transport, 0.1)
-        write_hf_folder(actor.engine.iter_hf_weights(), fresh_dir, hf_dir, arch.hf_config, writer=dist.get_rank() == 0)
+        stats = sync_weights(actor.megatron, transport, 0.1)
+        write_hf_folder(actor.megatron.iter_hf_weights(), fresh_dir, hf_dir, arch.hf_config, writer=dist.get_rank() == 0)
         synced = [engine.generate(PROMPTS, sampling, seeds) if engine is not None else None]
         if dist.get_world_size() > 1:
             dist.broadcast_object_list(synced, src=0)
