@@ -159,14 +159,14 @@ class EngineFleet:
             self.transport = self._pool_transport()
             engines = self.pool
         else:
-            with _engine_devices(self.layout):
+            with engine_devices(self.layout):
                 self.engine = build_engine(cfg.rollout.engine, self.hf_dir, enable_sleep_mode=torch.cuda.is_available(),
                                            **engine_args)
             self.transport = TRANSPORTS.get(weight_sync_transport(cfg))(self.engine)
             engines = [self.engine]
             if not ray.is_initialized():  # after vLLM: with Ray up, its TP>1 engine would pick Ray's executor
                 ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
-        self.router = EngineRouter([serving(engine) for engine in engines], is_failure=_engine_died)
+        self.router = EngineRouter([serving(engine) for engine in engines], is_failure=engine_died)
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, model, version: int) -> None:
@@ -335,7 +335,7 @@ def _refusal(failure: Exception) -> str:
     return f"a new rollout engine could not start: {error_line(failure)}"
 
 
-def _engine_died(exc: BaseException) -> bool:
+def engine_died(exc: BaseException) -> bool:
     """Whether an engine call failed because the engine is gone (its requests can run elsewhere):
     its Ray actor died, or the vLLM engine inside failed a step while the actor lives on."""
     from ray.exceptions import RayActorError
@@ -367,7 +367,7 @@ def _engine_gpus_only(local_cluster: bool, world: int):
 
 
 @contextlib.contextmanager
-def _engine_devices(layout: EngineLayout):
+def engine_devices(layout: EngineLayout):
     """On GPU, the engine's processes see the devices of its group's ranks; on CPU nothing changes."""
     if not torch.cuda.is_available():
         yield
