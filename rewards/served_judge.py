@@ -71,24 +71,42 @@ class JudgeSpec:
         if self.placement == "colocated" and self.num_engines != 1:
             raise RewardConfigError(f"reward.model.num_engines={self.num_engines}: a colocated judge is one engine on "
                                     "each generating process's devices; set it to 1, or reward.model.placement=own")
+        if self.kind == "discriminative" and self.template is not None:
+            raise RewardConfigError("reward.model.template: a discriminative reward model reads the task and the "
+                                    "response as a chat, not a judge's prompt; drop the template (or kind=generative)")
         if not math.isfinite(self.on_error):
             raise RewardConfigError(f"reward.model.on_error: must be a finite number, got {self.on_error}")
-        if not self.path.startswith("tiny://") and not (Path(self.path) / "config.json").is_file():
-            raise RewardConfigError(f"reward.model.path: {self.path!r} is not a Hugging Face model folder (no "
-                                    "config.json); give the judge's local folder (or tiny://qwen3 for a tiny test model)")
+        if not self.path.startswith("tiny://"):  # a tiny model is built at start-up, and checked there
+            if not (Path(self.path) / "config.json").is_file():
+                raise RewardConfigError(f"reward.model.path: {self.path!r} is not a Hugging Face model folder (no "
+                                        "config.json); give the judge's local folder (or tiny://qwen3 for a tiny test "
+                                        "model)")
+            self.check_context(self.path)
         JudgePrompt.from_config(self.template)
         reply_parser(self.parser)
+
+    def check_context(self, hf_dir: str) -> None:
+        """The judge's prompt cap and reply cap fit the judge's context (vLLM refuses a longer one)."""
+        config = json.loads((Path(hf_dir) / "config.json").read_text())
+        context = config.get("max_position_embeddings")
+        if context is not None and self.max_prompt_tokens + self.max_tokens > context:
+            raise RewardConfigError(f"reward.model.max_prompt_tokens={self.max_prompt_tokens} + reward.model.max_tokens="
+                                    f"{self.max_tokens} exceed the judge's context of {context} tokens "
+                                    f"({hf_dir}); lower them")
 
     @property
     def overlaps_generation(self) -> bool:
         return self.placement == "own"
 
 
-class ServedJudge:
-    """Scores samples with a frozen judge on our engines: `score(sample)` on the event loop that
+class ServedModelReward:
+    """Scores samples with a frozen model on our engines: `score(sample)` on the event loop that
     serves them. `make_engine(index, replacement)` builds engine `index` (its `replacement`-th
     incarnation); one that dies is replaced and its requests re-run. `cache` (a
-    ToolArtifactCache) answers an input asked before without an engine call."""
+    ToolArtifactCache) answers an input asked before without an engine call. A kind says what
+    it asks (`request`, `prompt_ids`), how (`_answer`) and how the answer is a score (`_value`)."""
+
+    runner = "generate"  # the vLLM runner its engines use
 
     def __init__(self, spec: JudgeSpec, hf_dir: str, make_engine: Callable[[int, int], Any], cache=None) -> None:
         from transformers import AutoTokenizer
@@ -99,62 +117,58 @@ class ServedJudge:
 
         spec.check()
         self.spec, self.hf_dir, self.make_engine, self.cache = spec, hf_dir, make_engine, cache
-        self.prompt = JudgePrompt.from_config(spec.template)
-        self.parse = reply_parser(spec.parser)
         self.tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-        # The cache's entries are the judge's: its folder, prompt and sampling are in the key.
+        # The cache's entries are this model's: its folder is in the name, its input in the key.
         self.cache_name = f"judge:{spec.kind}:{Path(hf_dir).resolve()}"
         self.engines = [make_engine(index, 0) for index in range(spec.num_engines)]
         self.router = EngineRouter([serving(engine) for engine in self.engines], is_failure=engine_died)
         self.replaced = 0
         self._replacing: asyncio.Lock | None = None
 
+    def request(self, sample: RewardSample) -> dict:
+        """What the model is asked about `sample` (JSON): the cache's key."""
+        raise NotImplementedError
+
+    def prompt_ids(self, request: dict) -> list[int]:
+        raise NotImplementedError
+
+    async def _answer(self, prompt_ids: list[int], request: dict) -> str | float:
+        """The engines' answer (a judge's reply text, a reward model's score); EngineFailedError
+        when no engine is left."""
+        raise NotImplementedError
+
+    def _value(self, answer: str | float) -> float:
+        """The score in an answer; ReplyNotParsed when it holds none."""
+        raise NotImplementedError
+
     async def score(self, sample: RewardSample) -> ModelScore:
         """This sample's model score; a failure (no engine left after replacements, a reply with no
         score, a prompt too long) is `on_error` with the reason, never a raise."""
         started = time.monotonic()
-        messages = self.prompt.messages(sample)
-        request = {"messages": messages, "max_tokens": self.spec.max_tokens, "temperature": self.spec.temperature}
+        request = self.request(sample)
         cached = self.cache.get(self.cache_name, request) if self.cache is not None else None
         if cached is not None:
             return self._read(cached.value, started, cached=True)
-        prompt_ids = self.prompt_ids(messages)
+        prompt_ids = self.prompt_ids(request)
         if len(prompt_ids) > self.spec.max_prompt_tokens:
-            return self._failed(f"the judge's prompt has {len(prompt_ids)} tokens, over reward.model.max_prompt_tokens="
+            return self._failed(f"the model's prompt has {len(prompt_ids)} tokens, over reward.model.max_prompt_tokens="
                                 f"{self.spec.max_prompt_tokens}", started)
         try:
-            reply_ids = await self._generate(prompt_ids, self.sampling(request))
+            answer = await self._on_live_engines(prompt_ids, request)
         except Exception as exc:  # noqa: BLE001 - the sample's failure, never the run's
             from rlfactory_megatron.rollout.router import error_line
 
-            return self._failed(f"judge engine: {error_line(exc)}", started)
-        reply = self.tokenizer.decode(reply_ids, skip_special_tokens=True)
+            return self._failed(f"{self.spec.kind} engine: {error_line(exc)}", started)
         if self.cache is not None:
-            self.cache.put(self.cache_name, request, reply)
-        return self._read(reply, started)
+            self.cache.put(self.cache_name, request, answer)
+        return self._read(answer, started)
 
-    def prompt_ids(self, messages: list[dict]) -> list[int]:
-        """The judge's prompt tokens: its chat template over `messages`, ready for its reply."""
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-
-    def sampling(self, request: dict) -> dict:
-        """The engine sampling of one judge request; sampled (temperature > 0) with a seed of the
-        input's own, so that a re-run request (its engine died) draws the same reply."""
-        sampling = {"temperature": self.spec.temperature, "max_tokens": self.spec.max_tokens,
-                    "stop_token_ids": [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []}
-        if self.spec.temperature > 0:
-            digest = hashlib.sha256(json.dumps(request, sort_keys=True).encode()).digest()
-            sampling["seed"] = int.from_bytes(digest[:4], "big") >> 1
-        return sampling
-
-    async def _generate(self, prompt_ids: list[int], sampling: dict) -> list[int]:
+    async def _on_live_engines(self, prompt_ids: list[int], request: dict) -> str | float:
         from rlfactory_megatron.rollout.router import EngineFailedError
 
         for attempt in range(MAX_REPLACEMENTS_PER_REQUEST + 1):
             try:
-                ids, _ = await self.router.session().generate(prompt_ids, sampling)
-                return ids
+                return await self._answer(prompt_ids, request)
             except EngineFailedError:  # every engine died: fresh ones, and the request again
                 if attempt == MAX_REPLACEMENTS_PER_REQUEST:
                     raise
@@ -171,6 +185,10 @@ class ServedJudge:
             for index, why in sorted(self.router.failed.items()):
                 logger.warning("judge engine %d died (%s); starting a new one", index, why)
                 print(f"rlf-train: judge engine {index} died ({why}); starting a new one", flush=True)
+                # Its other requests fail on their own (and run again): closing its front before
+                # they have would cancel them instead.
+                while self.router.outstanding[index]:
+                    await asyncio.sleep(0.01)
                 await self.router.engines[index].close()
                 await asyncio.to_thread(_close_quietly, self.engines[index])
                 self.replaced += 1
@@ -179,7 +197,7 @@ class ServedJudge:
 
     async def sleep(self) -> None:
         """Colocated: the engines give their devices back (weights kept in host memory: a frozen
-        judge has no sync to bring them again)."""
+        model has no sync to bring them again)."""
         await asyncio.gather(*(asyncio.to_thread(engine.sleep, 1) for engine in self.engines))
 
     async def wake_up(self) -> None:
@@ -191,16 +209,94 @@ class ServedJudge:
         for engine in self.engines:
             _close_quietly(engine)
 
-    def _read(self, reply: str, started: float, cached: bool = False) -> ModelScore:
+    def _read(self, answer: str | float, started: float, cached: bool = False) -> ModelScore:
+        reply = answer if isinstance(answer, str) else None
         try:
-            return ModelScore(self.parse(reply), reply, latency_s=time.monotonic() - started, cached=cached)
+            return ModelScore(self._value(answer), reply, latency_s=time.monotonic() - started, cached=cached)
         except ReplyNotParsed as exc:
             return self._failed(f"reply not parsed: {exc}", started, reply, parse_failed=True, cached=cached)
 
     def _failed(self, error: str, started: float, reply: str | None = None, parse_failed: bool = False,
                 cached: bool = False) -> ModelScore:
-        logger.warning("judge %s failed a sample: %s", self.spec.path, error)
+        logger.warning("%s model %s failed a sample: %s", self.spec.kind, self.spec.path, error)
         return ModelScore(self.spec.on_error, reply, error, parse_failed, time.monotonic() - started, cached=cached)
+
+
+class ServedJudge(ServedModelReward):
+    """generative: the sample rendered by `reward.model.template`, put through the judge's chat
+    template, answered by generation and read by `reward.model.parser`."""
+
+    def __init__(self, spec: JudgeSpec, hf_dir: str, make_engine: Callable[[int, int], Any], cache=None) -> None:
+        super().__init__(spec, hf_dir, make_engine, cache)
+        self.prompt = JudgePrompt.from_config(spec.template)
+        self.parse = reply_parser(spec.parser)
+
+    def request(self, sample: RewardSample) -> dict:
+        return {"messages": self.prompt.messages(sample), "max_tokens": self.spec.max_tokens,
+                "temperature": self.spec.temperature}
+
+    def prompt_ids(self, request: dict) -> list[int]:
+        """The judge's prompt tokens: its chat template over the request's messages, ready for its reply."""
+        return _chat_ids(self.tokenizer, request["messages"], add_generation_prompt=True)
+
+    def sampling(self, request: dict) -> dict:
+        """The engine sampling of one judge request; sampled (temperature > 0) with a seed of the
+        input's own, so that a re-run request (its engine died) draws the same reply."""
+        sampling = {"temperature": self.spec.temperature, "max_tokens": self.spec.max_tokens,
+                    "stop_token_ids": [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []}
+        if self.spec.temperature > 0:
+            digest = hashlib.sha256(json.dumps(request, sort_keys=True).encode()).digest()
+            sampling["seed"] = int.from_bytes(digest[:4], "big") >> 1
+        return sampling
+
+    async def _answer(self, prompt_ids: list[int], request: dict) -> str:
+        ids, _ = await self.router.session().generate(prompt_ids, self.sampling(request))
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _value(self, answer: str) -> float:
+        return self.parse(answer)
+
+
+class ServedRewardModel(ServedModelReward):
+    """discriminative: a sequence-classification model (`...ForSequenceClassification`, one
+    label) in vLLM's pooling runner; the task and the response as a chat (the model's template),
+    its logit the score."""
+
+    runner = "pooling"
+
+    def request(self, sample: RewardSample) -> dict:
+        return {"messages": [{"role": "user", "content": sample.prompt},
+                             {"role": "assistant", "content": sample.response}]}
+
+    def prompt_ids(self, request: dict) -> list[int]:
+        return _chat_ids(self.tokenizer, request["messages"], add_generation_prompt=False)
+
+    async def _answer(self, prompt_ids: list[int], request: dict) -> float:
+        """The logit from the least busy live engine; an engine that dies is marked and the next one asked."""
+        while True:
+            index = self.router.least_loaded()  # EngineFailedError when none is left
+            engine = self.engines[index]
+            self.router.outstanding[index] += 1
+            try:
+                if asyncio.iscoroutinefunction(engine.classify):  # a Ray-hosted engine
+                    logits = await engine.classify([prompt_ids])
+                else:  # a colocated one steps in a thread, the loop serves on
+                    logits = await asyncio.to_thread(engine.classify, [prompt_ids])
+                return float(logits[0][0])
+            except Exception as exc:
+                if not self.router.is_failure(exc):
+                    raise
+                self.router.fail(index, exc)
+            finally:
+                self.router.outstanding[index] -= 1
+
+    def _value(self, answer: float) -> float:
+        return float(answer)
+
+
+def _chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def _close_quietly(engine) -> None:
@@ -212,6 +308,7 @@ def _close_quietly(engine) -> None:
 
 JUDGE_KINDS: Registry[type] = Registry("reward.model kind")
 JUDGE_KINDS.register("generative", ServedJudge)
+JUDGE_KINDS.register("discriminative", ServedRewardModel)
 
 
 def start_judge(cfg, layout, cache=None) -> ServedJudge | None:
@@ -230,6 +327,7 @@ def start_judge(cfg, layout, cache=None) -> ServedJudge | None:
     if spec is None:
         return None
     hf_dir = str(resolve_model_path(spec.path))
+    spec.check_context(hf_dir)
     on_gpu = torch.cuda.is_available()
     engine_args = dict(dtype=cfg.model.params_dtype, tensor_parallel_size=spec.tp,
                        max_model_len=spec.max_prompt_tokens + spec.max_tokens, max_num_seqs=cfg.rollout.max_num_seqs,
@@ -245,4 +343,10 @@ def start_judge(cfg, layout, cache=None) -> ServedJudge | None:
             return VLLMEngine(hf_dir, in_process=False, enable_sleep_mode=on_gpu, **engine_args)
 
     make = own_engine if spec.overlaps_generation else colocated_engine
-    return JUDGE_KINDS.get(spec.kind)(spec, hf_dir, make, cache)
+    kind = JUDGE_KINDS.get(spec.kind)
+    engine_args["runner"] = kind.runner
+    judge = kind(spec, hf_dir, make, cache)
+    if spec.overlaps_generation:  # a judge that cannot start stops the run here, with its engine's error
+        for engine in judge.engines:
+            engine.weight_names()
+    return judge

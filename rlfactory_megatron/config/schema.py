@@ -186,9 +186,10 @@ class ModelRewardConfig:
     the failure score are the routes' common part."""
 
     # generative: a judge served by our own vLLM engines (frozen, no weight sync), its reply read by
-    # reward.model.parser; null: none (reward.remote.url may still serve one)
+    # reward.model.parser; discriminative: a sequence-classification reward model (vLLM's pooling
+    # runner), its logit the score; null: none (reward.remote.url may still serve one)
     kind: Optional[str] = None
-    path: Optional[str] = None  # the judge's Hugging Face folder (or tiny://qwen3 for a tiny test model)
+    path: Optional[str] = None  # the judge's or reward model's Hugging Face folder (or tiny://qwen3 for a tiny test model)
     tp: int = 1  # tensor-parallel size of each judge engine
     # judge engines per generating process (placement own; colocated: 1)
     num_engines: int = 1

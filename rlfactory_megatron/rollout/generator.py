@@ -222,7 +222,7 @@ class RolloutGenerator:
         judged = {}
         if self.judge is not None:
             judged = await self._judge_phase({row: _reward_sample(records[row // n], traj, self._text(traj))
-                                              for row, traj in zip(mine, trajectories)}, judging)
+                                              for row, traj in zip(mine, trajectories) if row not in judging}, judging)
         local, summaries, versions = {}, [], {}
         generated = [0] * len(engines)
         # Counted from this phase's own calls: with batches generating ahead (asynchronous RL) an
@@ -256,18 +256,18 @@ class RolloutGenerator:
         score = await self.judge.score(sample)
         return score, time.monotonic()
 
-    async def _judge_phase(self, samples: dict, judging: dict[int, asyncio.Future]) -> dict:
+    async def _judge_phase(self, rest: dict, judging: dict[int, asyncio.Future]) -> dict:
         """Every row's model score, once the phase's trajectories have ended: those judged meanwhile
-        (placement own) awaited, the rest judged now (colocated: the judge woken for them, then put
-        back to sleep). Each score's `wait_s`: how long after the last trajectory ended it came."""
+        (placement own) awaited, the `rest` (row -> sample) judged now (colocated: the judge woken
+        for them, then put back to sleep). Each score's `wait_s`: how long after the last
+        trajectory ended it came."""
         ended = time.monotonic()
         colocated = not self.judge.spec.overlaps_generation
         if colocated:
             await self.judge.wake_up()
         try:
-            for row, sample in samples.items():
-                if row not in judging:
-                    judging[row] = asyncio.ensure_future(self._judged(sample))
+            for row, sample in rest.items():
+                judging[row] = asyncio.ensure_future(self._judged(sample))
             outcomes = dict(zip(judging, await asyncio.gather(*judging.values())))
         finally:
             if colocated:

@@ -67,6 +67,9 @@ class VLLMEngineHost:
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seeds=None) -> list[list[Generation]]:
         return self.engine.generate(prompts, sampling, seeds)
 
+    def classify(self, prompts: list[list[int]]) -> list[list[float]]:
+        return self.engine.classify(prompts)
+
     async def stream(self, prompts: list[list[int]], samplings: list[dict]):
         """Yields `(index, (token_ids, log_probs))` as each request finishes, or `(index, exception)`
         for a request the engine refused; a cancelled call aborts its unfinished requests."""
@@ -172,6 +175,10 @@ class RayVLLMEngine:
                     self._ray.cancel(returns)
                 except Exception:  # noqa: BLE001 - the actor is gone already
                     pass
+
+    async def classify(self, prompts: list[list[int]]) -> list[list[float]]:
+        """A pooling engine's class logits of each sequence (see VLLMEngine.classify)."""
+        return await self.actor.classify.remote(prompts)
 
     async def interrupt(self) -> None:
         await self.actor.interrupt.remote()

