@@ -264,6 +264,10 @@ class ServedRewardModel(ServedModelReward):
 
     runner = "pooling"
 
+    def __init__(self, spec: JudgeSpec, hf_dir: str, make_engine: Callable[[int, int], Any], cache=None) -> None:
+        super().__init__(spec, hf_dir, make_engine, cache)
+        self._colocated_calls: asyncio.Lock | None = None  # vLLM's engine is not thread-safe
+
     def request(self, sample: RewardSample) -> dict:
         return {"messages": [{"role": "user", "content": sample.prompt},
                              {"role": "assistant", "content": sample.response}]}
@@ -280,8 +284,10 @@ class ServedRewardModel(ServedModelReward):
             try:
                 if asyncio.iscoroutinefunction(engine.classify):  # a Ray-hosted engine
                     logits = await engine.classify([prompt_ids])
-                else:  # a colocated one steps in a thread, the loop serves on
-                    logits = await asyncio.to_thread(engine.classify, [prompt_ids])
+                else:  # a colocated one runs in a thread (the loop serves on), one call at a time
+                    self._colocated_calls = self._colocated_calls or asyncio.Lock()
+                    async with self._colocated_calls:
+                        logits = await asyncio.to_thread(engine.classify, [prompt_ids])
                 return float(logits[0][0])
             except Exception as exc:
                 if not self.router.is_failure(exc):

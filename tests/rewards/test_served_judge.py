@@ -57,7 +57,7 @@ def _direct_replies(judge, direct, samples) -> list[str]:
     """What the engine answers each sample's judge prompt when called directly, greedy."""
     from rlfactory_megatron.rollout.engines import SamplingConfig
 
-    prompts = [judge.prompt_ids(judge.prompt.messages(sample)) for sample in samples]
+    prompts = [judge.prompt_ids(judge.request(sample)) for sample in samples]
     sampling = SamplingConfig(temperature=0.0, max_tokens=REPLY_TOKENS, stop_token_ids=(judge.tokenizer.eos_token_id,))
     outputs = direct.generate(prompts, sampling)
     return [judge.tokenizer.decode(out[0].token_ids, skip_special_tokens=True) for out in outputs]
