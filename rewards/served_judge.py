@@ -21,9 +21,9 @@ from rlfactory_megatron.rewards.remote import ModelScore
 
 logger = logging.getLogger(__name__)
 
-# own: engines on devices of their own (Ray actors), judging each trajectory as soon as it ends,
-# while the others still generate; colocated: one engine on the generating process's devices,
-# asleep while the policy generates, woken to judge the phase's trajectories at its end.
+# own: engines on devices of their own, judging each trajectory as soon as it ends, while the
+# others still generate; colocated: one engine on the generating process's devices, asleep while
+# the policy generates, woken to judge the phase's trajectories at its end. Ray actors both.
 PLACEMENTS = ("own", "colocated")
 # A request whose engines all died is re-run on fresh ones this many times, then gets on_error.
 MAX_REPLACEMENTS_PER_REQUEST = 3
@@ -264,10 +264,6 @@ class ServedRewardModel(ServedModelReward):
 
     runner = "pooling"
 
-    def __init__(self, spec: JudgeSpec, hf_dir: str, make_engine: Callable[[int, int], Any], cache=None) -> None:
-        super().__init__(spec, hf_dir, make_engine, cache)
-        self._colocated_calls: asyncio.Lock | None = None  # vLLM's engine is not thread-safe
-
     def request(self, sample: RewardSample) -> dict:
         return {"messages": [{"role": "user", "content": sample.prompt},
                              {"role": "assistant", "content": sample.response}]}
@@ -282,12 +278,7 @@ class ServedRewardModel(ServedModelReward):
             engine = self.engines[index]
             self.router.outstanding[index] += 1
             try:
-                if asyncio.iscoroutinefunction(engine.classify):  # a Ray-hosted engine
-                    logits = await engine.classify([prompt_ids])
-                else:  # a colocated one runs in a thread (the loop serves on), one call at a time
-                    self._colocated_calls = self._colocated_calls or asyncio.Lock()
-                    async with self._colocated_calls:
-                        logits = await asyncio.to_thread(engine.classify, [prompt_ids])
+                logits = await engine.classify([prompt_ids])
                 return float(logits[0][0])
             except Exception as exc:
                 if not self.router.is_failure(exc):
@@ -318,14 +309,14 @@ JUDGE_KINDS.register("discriminative", ServedRewardModel)
 
 
 def start_judge(cfg, layout, cache=None) -> ServedJudge | None:
-    """The run's judge on this generating process (None without `reward.model.kind`): placement own,
-    `num_engines` Ray actors with devices of their own; colocated, one engine in a process of its
-    own on this process's engine devices (sleep mode on GPU). Both serve up to the judge's prompt
-    and reply caps, as many requests at once as a rollout engine (rollout.max_num_seqs)."""
+    """The run's judge on this generating process (None without `reward.model.kind`): Ray actors
+    (a process of its own each, as this one may hold the policy's in-process engine), placement
+    own: `num_engines` with devices of their own; colocated: one on this process's engine devices,
+    with vLLM's sleep mode on GPU. They serve up to the judge's prompt and reply caps, as many
+    requests at once as a rollout engine (rollout.max_num_seqs)."""
     import torch
 
-    from rlfactory_megatron.rollout.engines import VLLMEngine
-    from rlfactory_megatron.rollout.fleet import engine_devices
+    from rlfactory_megatron.rollout.fleet import engine_visible_devices
     from rlfactory_megatron.rollout.ray_engine import RayVLLMEngine
     from rlfactory_megatron.trainer.model_path import resolve_model_path
 
@@ -334,25 +325,25 @@ def start_judge(cfg, layout, cache=None) -> ServedJudge | None:
         return None
     hf_dir = str(resolve_model_path(spec.path))
     spec.check_context(hf_dir)
+    kind = JUDGE_KINDS.get(spec.kind)
     on_gpu = torch.cuda.is_available()
     engine_args = dict(dtype=cfg.model.params_dtype, tensor_parallel_size=spec.tp,
                        max_model_len=spec.max_prompt_tokens + spec.max_tokens, max_num_seqs=cfg.rollout.max_num_seqs,
-                       memory_utilization=cfg.rollout.gpu_memory_utilization, seed=cfg.trainer.seed)
+                       memory_utilization=cfg.rollout.gpu_memory_utilization, seed=cfg.trainer.seed, runner=kind.runner)
+    placement = {"num_gpus": spec.tp if on_gpu else 0}
+    if not spec.overlaps_generation:
+        placement = {"num_gpus": 0, "enable_sleep_mode": on_gpu}
+        if on_gpu:  # the devices of this process's engine group, as Ray gives a zero-GPU actor none
+            import os
 
-    def own_engine(index: int, replacement: int):
+            placement["env"] = {"CUDA_VISIBLE_DEVICES": engine_visible_devices(
+                os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count(), torch.cuda.current_device(), spec.tp)}
+
+    def make_engine(index: int, replacement: int):
         name = f"rlf-judge-{layout.engine_index}-{index}" + (f"-{replacement}" if replacement else "")
-        return RayVLLMEngine(hf_dir, num_cpus=1, num_gpus=spec.tp if on_gpu else 0, name=name, **engine_args)
+        return RayVLLMEngine(hf_dir, num_cpus=1, name=name, **placement, **engine_args)
 
-    def colocated_engine(index: int, replacement: int):
-        # A process of its own: this one may hold the policy's in-process engine already.
-        with engine_devices(layout):
-            return VLLMEngine(hf_dir, in_process=False, enable_sleep_mode=on_gpu, **engine_args)
-
-    make = own_engine if spec.overlaps_generation else colocated_engine
-    kind = JUDGE_KINDS.get(spec.kind)
-    engine_args["runner"] = kind.runner
-    judge = kind(spec, hf_dir, make, cache)
-    if spec.overlaps_generation:  # a judge that cannot start stops the run here, with its engine's error
-        for engine in judge.engines:
-            engine.weight_names()
+    judge = kind(spec, hf_dir, make_engine, cache)
+    for engine in judge.engines:  # a judge that cannot start stops the run here, with its engine's error
+        engine.weight_names()
     return judge

@@ -108,26 +108,27 @@ class EngineFleet:
         import ray
 
         judge = self.cfg.reward.model
-        # A judge placed on devices of its own: reward.model.num_engines actors per engine process.
-        judge_actors = (judge.num_engines * self.layout.num_engines
-                        if judge.kind is not None and judge.placement == "own" else 0)
+        # A judge's engines: reward.model.num_engines Ray actors per engine process; placed on
+        # devices of their own (own), they count among the Ray cluster's GPUs too.
+        judge_actors = judge.num_engines * self.layout.num_engines if judge.kind is not None else 0
+        own_judge = judge_actors if judge.placement == "own" else 0
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS")
             per_engine = self.cfg.tools.num_workers + self.cfg.reward.num_workers
             needed = per_engine * self.layout.num_engines + 1 + judge_actors
             if self.disaggregated:
                 needed += self.cfg.rollout.num_engines * self.cfg.rollout.tp
-            with _engine_gpus_only((self.disaggregated or judge_actors > 0) and not address, self.layout.world) as gpus:
+            with _engine_gpus_only((self.disaggregated or own_judge > 0) and not address, self.layout.world) as gpus:
                 # "local": without RAY_ADDRESS a fresh cluster, never one a `ray start` on this host
                 # left running (or a stale record of one in /tmp/ray) that Ray would otherwise join.
                 ray.init(address=address or "local", num_cpus=None if address else max(needed, os.cpu_count() or 2),
                          num_gpus=gpus, include_dashboard=False, log_to_driver=False)
-        if (self.disaggregated or judge_actors) and torch.cuda.is_available():
-            wanted = self.cfg.rollout.num_engines * self.cfg.rollout.tp * self.disaggregated + judge_actors * judge.tp
+        if (self.disaggregated or own_judge) and torch.cuda.is_available():
+            wanted = self.cfg.rollout.num_engines * self.cfg.rollout.tp * self.disaggregated + own_judge * judge.tp
             have = ray.cluster_resources().get("GPU", 0)
             if have < wanted:  # the actors would wait for devices that never come
                 raise ValueError(f"rollout.num_engines={self.cfg.rollout.num_engines} x rollout.tp={self.cfg.rollout.tp} "
-                                 f"engine GPUs and {judge_actors} x reward.model.tp={judge.tp} judge GPUs ({wanted:g}), "
+                                 f"engine GPUs and {own_judge} x reward.model.tp={judge.tp} judge GPUs ({wanted:g}), "
                                  f"but the Ray cluster has {have:g} besides the training ranks'; lower "
                                  "rollout.num_engines or give the job more GPUs (slurm/train.sbatch gives Ray the "
                                  "GPUs of each node that its RLF_GPUS_PER_NODE ranks leave)")
@@ -165,7 +166,7 @@ class EngineFleet:
             self.transport = self._pool_transport()
             engines = self.pool
         else:
-            with engine_devices(self.layout):
+            with _engine_devices(self.layout):
                 self.engine = build_engine(cfg.rollout.engine, self.hf_dir, enable_sleep_mode=torch.cuda.is_available(),
                                            **engine_args)
             self.transport = TRANSPORTS.get(weight_sync_transport(cfg))(self.engine)
@@ -373,7 +374,7 @@ def _engine_gpus_only(local_cluster: bool, world: int):
 
 
 @contextlib.contextmanager
-def engine_devices(layout: EngineLayout):
+def _engine_devices(layout: EngineLayout):
     """On GPU, the engine's processes see the devices of its group's ranks; on CPU nothing changes."""
     if not torch.cuda.is_available():
         yield

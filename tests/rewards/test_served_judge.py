@@ -127,6 +127,27 @@ def test_a_judge_engine_killed_mid_request_is_replaced_and_the_replies_are_the_u
     assert [s.reply for s in scores] == expected and all(s.error is None for s in scores)
 
 
+def test_a_colocated_judge_sleeps_wakes_and_answers_as_the_engine_called_directly(served, judge_cfg):
+    """placement colocated: one engine (a Ray actor on this process's devices; sleep mode is a
+    no-op on CPU: the calls are made all the same), its replies the direct engine's."""
+    from omegaconf import OmegaConf
+
+    from rlfactory_megatron.rewards.served_judge import start_judge
+    from rlfactory_megatron.rollout.fleet import EngineLayout
+
+    _, direct, loop = served
+    cfg = OmegaConf.merge(judge_cfg, {"reward": {"model": {"placement": "colocated"}}})
+    judge = start_judge(cfg, EngineLayout(world=1, rollout_tp=1, rank=0))
+    try:
+        loop.run_until_complete(judge.sleep())
+        loop.run_until_complete(judge.wake_up())
+        scores = _score(judge, loop, SAMPLES[:2])
+    finally:
+        loop.run_until_complete(judge.close())
+    assert [s.reply for s in scores] == _direct_replies(judge, direct, SAMPLES[:2])
+    assert all(s.error is None for s in scores)
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["reward.model.kind=generative"], "reward.model.path: reward.model.kind=generative needs the judge's model"),
     (["reward.model.kind=generative", "reward.model.path=/no/such/judge"],
@@ -171,9 +192,9 @@ def test_the_judge_alone_needs_no_scorer_and_mixes_with_the_rule():
                                "reward.scorer=no_such_scorer", "reward.combine.rule_weight=1"])
 
 
-def test_a_reward_model_on_our_engines_scores_as_transformers_does(tmp_path):
+def test_a_reward_model_on_our_engines_scores_as_transformers_does(tmp_path, ray_session):
     """discriminative: a tiny Qwen2ForSequenceClassification (one label, fp32) through the pooling
-    runner, in a colocated engine (a process of its own beside this one): its score of each
+    runner, in a colocated engine (a Ray actor with no devices of its own): its score of each
     sample equals transformers' logit (<= 1e-4)."""
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification

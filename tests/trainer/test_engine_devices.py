@@ -8,7 +8,7 @@ import torch
 
 from rlfactory_megatron.runtime.distributed import local_device_index
 from rlfactory_megatron.runtime.launch_env import detect_launch_env
-from rlfactory_megatron.rollout.fleet import EngineLayout, engine_devices
+from rlfactory_megatron.rollout.fleet import EngineLayout, _engine_devices
 
 # (launcher environment, the GPUs every task sees, rollout.tp, the engine's CUDA_VISIBLE_DEVICES)
 CASES = {
@@ -34,7 +34,7 @@ def engine_devices_under(monkeypatch, env: dict, device_count: int, rollout_tp: 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: device_count)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: local_device_index(launch, device_count))
-    with engine_devices(EngineLayout(world=launch.world_size, rollout_tp=rollout_tp, rank=launch.rank)):
+    with _engine_devices(EngineLayout(world=launch.world_size, rollout_tp=rollout_tp, rank=launch.rank)):
         seen = os.environ["CUDA_VISIBLE_DEVICES"]
     assert os.environ.get("CUDA_VISIBLE_DEVICES") == env.get("CUDA_VISIBLE_DEVICES")  # put back
     return seen
