@@ -308,7 +308,7 @@ JUDGE_KINDS.register("generative", ServedJudge)
 JUDGE_KINDS.register("discriminative", ServedRewardModel)
 
 
-def start_judge(cfg, layout, cache=None) -> ServedJudge | None:
+def start_judge(cfg, layout, cache=None) -> ServedModelReward | None:
     """The run's judge on this generating process (None without `reward.model.kind`): Ray actors
     (a process of its own each, as this one may hold the policy's in-process engine), placement
     own: `num_engines` with devices of their own; colocated: one on this process's engine devices,
