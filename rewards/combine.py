@@ -66,7 +66,10 @@ def combined(samples: list[RewardSample], rule: RewardResult | None, model: list
         rule_score = rule.scores[i] if rule is not None else 0.0
         extra = {**(rule.extras[i] if rule is not None else {}), "model/score": outcome.score,
                  "model/latency_s": outcome.latency_s, "model/retries": float(outcome.retries),
-                 "model/failed": float(outcome.error is not None), "model/parse_failed": float(outcome.parse_failed)}
+                 "model/failed": float(outcome.error is not None), "model/parse_failed": float(outcome.parse_failed),
+                 "model/cache_hit": float(outcome.cached)}
+        if outcome.wait_s is not None:
+            extra["model/wait_s"] = outcome.wait_s
         if rule is not None:
             extra["rule/score"] = rule_score
         extra.update({key: text for key, text in (("model/reply", outcome.reply), ("model/error", outcome.error))
@@ -82,3 +85,17 @@ def combined(samples: list[RewardSample], rule: RewardResult | None, model: list
         errors.append(error)
         kinds.append(kind)
     return RewardResult(scores, [s.response_length for s in samples], extras, errors, kinds)
+
+
+@dataclass
+class CombinedFuture:
+    """A batch's rewards once its rule is scored: the rule's RewardFuture (None: no rule) combined
+    with the model scores the batch already has (a judge on our engines)."""
+
+    samples: list[RewardSample]
+    rule: object | None
+    model: list[ModelScore]
+    combine: Callable[[float, float, RewardSample], float]
+
+    def result(self) -> RewardResult:
+        return combined(self.samples, self.rule.result() if self.rule is not None else None, self.model, self.combine)

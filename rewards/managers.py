@@ -10,6 +10,7 @@ from rlfactory_megatron.rewards.process_workers import ScoringProcesses
 from rlfactory_megatron.rewards.records import RewardResult, RewardSample
 from rlfactory_megatron.rewards.remote import RemoteRewardSpec, check_remote
 from rlfactory_megatron.rewards.scoring import score_batch, score_one
+from rlfactory_megatron.rewards.served_judge import JudgeSpec
 
 # Called with the sample indices a manager is about to score, so a supervisor (the Ray
 # reward pool) can tell which sample is stuck when a call does not come back.
@@ -151,15 +152,21 @@ def build_reward_manager(name: str, function: RewardFnSpec | None = None, **opti
 
 
 def check_reward_config(name: str, function: RewardFnSpec, options: dict, remote: RemoteRewardSpec | None = None,
-                        combine: CombineSpec | None = None) -> None:
+                        combine: CombineSpec | None = None, judge: JudgeSpec | None = None) -> None:
     """Everything about the reward settings that can be known without scoring: the manager and
     its options, the scorer, the custom function (imported) and its signature, when the rule is
-    computed; the remote endpoint's settings (template, parser) and the combination. Starts nothing."""
+    computed; the model reward's settings (the remote endpoint's or the served judge's: template,
+    parser, engines) and the combination. Starts nothing."""
     combine = combine or CombineSpec()
-    combine.check(has_model=remote is not None)
+    if remote is not None and judge is not None:
+        raise RewardConfigError("reward.model.kind: a run has one model reward, and reward.remote.url is set too; "
+                                "set reward.model.kind=null (the remote judge) or reward.remote.url=null (ours)")
+    combine.check(has_model=remote is not None or judge is not None)
     if remote is not None:
         check_remote(remote)
-    if remote is None or combine.uses_rule:
+    if judge is not None:
+        judge.check()
+    if (remote is None and judge is None) or combine.uses_rule:
         cls = _checked_manager(name, function, options)
         load_reward_fn(function, batched=cls.batched)
 

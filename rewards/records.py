@@ -20,8 +20,8 @@ class RewardSample:
 
 
 # Extra values summed over the batch too (counts: `reward/<key>/sum`) and maxed (`reward/<key>/max`).
-SUMMED_EXTRAS = ("model/failed", "model/parse_failed", "model/retries")
-MAXED_EXTRAS = ("model/latency_s",)
+SUMMED_EXTRAS = ("model/failed", "model/parse_failed", "model/retries", "model/cache_hit", "model/latency_s")
+MAXED_EXTRAS = ("model/latency_s", "model/wait_s")
 
 # Why a sample's reward failed: its function raised, returned no finite number, ran past its
 # timeout, or took its worker down.

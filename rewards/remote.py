@@ -44,6 +44,8 @@ class ModelScore:
     parse_failed: bool = False  # the reply came, but held no score
     latency_s: float = 0.0  # from the first request to the outcome, retries and backoff included
     retries: int = 0
+    cached: bool = False  # a judge served by our engines: the reply came from the cache, no engine call
+    wait_s: float | None = None  # a served judge: how long after its phase's last trajectory ended the outcome came
 
 
 @dataclass
@@ -69,9 +71,10 @@ class RemoteRewardSpec:
         """From the `reward` config section; None when `reward.remote.url` is unset."""
         remote, model = reward.remote, reward.model
         if remote.url is None:
-            if model.template is not None:
+            if model.template is not None and model.kind is None:
                 raise RewardConfigError("reward.model.template: is set, but no model reward reads it; set "
-                                        "reward.remote.url (with reward.remote.protocol=chat) or drop the template")
+                                        "reward.remote.url (with reward.remote.protocol=chat), or reward.model.kind "
+                                        "and path (a judge on our engines), or drop the template")
             return None
         return cls(remote.url, remote.protocol, remote.served_model, remote.api_key_env, remote.timeout_s,
                    remote.max_retries, remote.backoff_s, remote.max_concurrency, model.template, model.parser,

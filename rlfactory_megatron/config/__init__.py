@@ -271,13 +271,13 @@ def _check_rewards_and_tools(cfg) -> None:
     """The reward function (imported, signature checked) and the tools YAML's classes and
     params: failing here costs nothing, failing in the run comes after the model and engines."""
     from rlfactory_megatron.envs.tools.registry import check_tool_specs, load_tool_specs
-    from rlfactory_megatron.rewards import CombineSpec, RemoteRewardSpec, RewardFnSpec
+    from rlfactory_megatron.rewards import CombineSpec, JudgeSpec, RemoteRewardSpec, RewardFnSpec
     from rlfactory_megatron.rewards.managers import check_reward_config
 
     try:
         check_reward_config(cfg.reward.manager, RewardFnSpec.from_config(cfg.reward),
                             dict(cfg.reward.manager_options), RemoteRewardSpec.from_config(cfg.reward),
-                            CombineSpec.from_config(cfg.reward.combine))
+                            CombineSpec.from_config(cfg.reward.combine), JudgeSpec.from_config(cfg.reward))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if cfg.tools.enable and cfg.tools.config_path:

@@ -181,16 +181,30 @@ class ToolsConfig:
 
 @dataclass
 class ModelRewardConfig:
-    """The model reward (a judge's score), whichever route serves it: reward.remote now; the
-    prompt, the reply's parsing and the failure score are the route's common part."""
+    """The model reward (a judge's score), whichever route serves it: a judge on our own engines
+    (kind, path, tp, num_engines, placement) or reward.remote; the prompt, the reply's parsing and
+    the failure score are the routes' common part."""
 
+    # generative: a judge served by our own vLLM engines (frozen, no weight sync), its reply read by
+    # reward.model.parser; discriminative: a sequence-classification reward model (vLLM's pooling
+    # runner), its logit the score; null: none (reward.remote.url may still serve one)
+    kind: Optional[str] = None
+    path: Optional[str] = None  # the judge's or reward model's Hugging Face folder (or tiny://qwen3 for a tiny test model)
+    tp: int = 1  # tensor-parallel size of each judge engine
+    # judge engines per generating process (placement own; colocated: 1)
+    num_engines: int = 1
+    # own: judge engines on devices of their own (Ray actors), judging each trajectory as soon as it
+    # ends, overlapped with the rest of generation; colocated: one engine on each generating process's
+    # devices, asleep while the policy generates, woken to judge the trajectories at the end
+    placement: str = "own"
+    max_prompt_tokens: int = 4096  # our judge: a longer prompt (task, tool calls, response) gets on_error
     # The judge's prompt (chat): a file or a string with {response}, and any of {prompt},
     # {ground_truth}, {tool_calls}; null: the built-in one (rewards/judge.py)
     template: Optional[str] = None
     # How a judge's reply becomes a score: a regex (its first group, of the last match) or file.py:function (reply -> float)
     parser: str = r"<score>\s*([-+]?[0-9]*\.?[0-9]+)\s*</score>"
-    max_tokens: int = 512  # chat: the judge's reply length cap
-    temperature: float = 0.0  # chat: the judge's sampling temperature
+    max_tokens: int = 512  # the judge's reply length cap
+    temperature: float = 0.0  # the judge's sampling temperature (> 0 on our engines: seeded by the input)
     # The model score of a sample whose model reward failed (timed out, HTTP error, garbage, a reply that does not parse)
     on_error: float = 0.0
 

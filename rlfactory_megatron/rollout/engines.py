@@ -107,7 +107,7 @@ class VLLMEngine:
                  max_model_len: int = 1024, max_num_seqs: int = 64, memory_utilization: float = 0.1,
                  seed: int = 0, enable_sleep_mode: bool = False, in_process: bool | None = None,
                  staging_devices: list[torch.device] | None = None, batch_invariant: bool = False,
-                 record_routes: bool = False) -> None:
+                 record_routes: bool = False, runner: str = "generate") -> None:
         import torch.distributed as dist
 
         if in_process is None:
@@ -164,7 +164,9 @@ class VLLMEngine:
 
             executor = {"distributed_executor_backend": UniProcExecutor}  # a class: the CPU platform keeps it
         started_before = descendants()
-        self.llm = LLM(model=self.hf_dir, skip_tokenizer_init=True, dtype=dtype,
+        # runner="pooling": a sequence-classification model scoring whole sequences (`classify`);
+        # vLLM's pooling path needs the model's tokenizer loaded, though it is given token ids.
+        self.llm = LLM(model=self.hf_dir, skip_tokenizer_init=runner == "generate", runner=runner, dtype=dtype,
                        tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
                        max_num_seqs=max_num_seqs, gpu_memory_utilization=memory_utilization, seed=seed,
                        enforce_eager=on_cpu, enable_sleep_mode=enable_sleep_mode,
@@ -231,6 +233,16 @@ class VLLMEngine:
 
         with unchecked():
             return self.llm.collective_rpc(take_routes, args=(request_ids,))[0]
+
+    def classify(self, prompts: list[list[int]]) -> list[list[float]]:
+        """A pooling engine's (runner="pooling") raw class logits of each whole sequence, no activation."""
+        from vllm import PoolingParams
+        from vllm.inputs import TokensPrompt
+
+        with unchecked():
+            outputs = self.llm.classify([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], use_tqdm=False,
+                                        pooling_params=PoolingParams(use_activation=False))
+        return [list(output.outputs.probs) for output in outputs]
 
     # Streaming: requests join and leave the running batch between engine steps (what
     # `rollout.async_engine.StreamingFront` drives). Not thread-safe, like `generate`: one caller.

@@ -109,22 +109,29 @@ class EngineFleet:
         of its token authentication (on by default for a local cluster since Ray 2.59)."""
         import ray
 
+        judge = self.cfg.reward.model
+        # A judge's engines: reward.model.num_engines Ray actors per engine process; placed on
+        # devices of their own (own), they count among the Ray cluster's GPUs too.
+        judge_actors = judge.num_engines * self.layout.num_producers if judge.kind is not None else 0
+        own_judge = judge_actors if judge.placement == "own" else 0
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS")
             per_engine = self.cfg.tools.num_workers + self.cfg.reward.num_workers
-            needed = per_engine * self.layout.num_producers + 1
+            needed = per_engine * self.layout.num_producers + 1 + judge_actors
             if self.disaggregated:
                 needed += self.cfg.rollout.num_engines * self.cfg.rollout.tp
-            with _engine_gpus_only(self.disaggregated and not address, self.layout.world) as gpus:
+            with _engine_gpus_only((self.disaggregated or own_judge > 0) and not address, self.layout.world) as gpus:
                 # "local": without RAY_ADDRESS a fresh cluster, never one a `ray start` on this host
                 # left running (or a stale record of one in /tmp/ray) that Ray would otherwise join.
                 ray.init(address=address or "local", num_cpus=None if address else max(needed, os.cpu_count() or 2),
                          num_gpus=gpus, include_dashboard=False, log_to_driver=False)
-        if self.disaggregated and torch.cuda.is_available():
-            wanted, have = self.cfg.rollout.num_engines * self.cfg.rollout.tp, ray.cluster_resources().get("GPU", 0)
+        if (self.disaggregated or own_judge) and torch.cuda.is_available():
+            wanted = self.cfg.rollout.num_engines * self.cfg.rollout.tp * self.disaggregated + own_judge * judge.tp
+            have = ray.cluster_resources().get("GPU", 0)
             if have < wanted:  # the actors would wait for devices that never come
                 raise ValueError(f"rollout.num_engines={self.cfg.rollout.num_engines} x rollout.tp={self.cfg.rollout.tp} "
-                                 f"engine GPUs, but the Ray cluster has {have:g} besides the training ranks'; lower "
+                                 f"engine GPUs and {own_judge} x reward.model.tp={judge.tp} judge GPUs ({wanted:g}), "
+                                 f"but the Ray cluster has {have:g} besides the training ranks'; lower "
                                  "rollout.num_engines or give the job more GPUs (slurm/train.sbatch gives Ray the "
                                  "GPUs of each node that its RLF_GPUS_PER_NODE ranks leave)")
         auth = {}
@@ -168,7 +175,7 @@ class EngineFleet:
             engines = [self.engine]
             if not ray.is_initialized():  # after vLLM: with Ray up, its TP>1 engine would pick Ray's executor
                 ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
-        self.router = EngineRouter([serving(engine) for engine in engines], is_failure=_engine_died)
+        self.router = EngineRouter([serving(engine) for engine in engines], is_failure=engine_died)
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, model, version: int) -> None:
@@ -337,7 +344,7 @@ def _refusal(failure: Exception) -> str:
     return f"a new rollout engine could not start: {error_line(failure)}"
 
 
-def _engine_died(exc: BaseException) -> bool:
+def engine_died(exc: BaseException) -> bool:
     """Whether an engine call failed because the engine is gone (its requests can run elsewhere):
     its Ray actor died, or the vLLM engine inside failed a step while the actor lives on."""
     from ray.exceptions import RayActorError

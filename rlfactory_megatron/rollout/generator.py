@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -42,7 +43,7 @@ class RolloutGenerator:
         layout = fleet.layout
         # Every rank creates the engine processes' group (torch requires it), only they use it.
         self.owner_group = collectives.subgroup(layout.owners)
-        self.tool_pool = self.reward_pool = self.rollout_store = self.artifacts = None
+        self.tool_pool = self.reward_pool = self.judge = self.rollout_store = self.artifacts = None
         self.tool_schemas: list[dict] | None = None
         # The ranks of each DP rank (all of its TP and PP ranks train on the same rows).
         self.dp_rank = parallel_state.get_data_parallel_rank()
@@ -68,17 +69,23 @@ class RolloutGenerator:
     def _start_services(self, tool_specs: list) -> None:
         from rlfactory_megatron.rewards import CombineSpec, RemoteRewardSpec, RewardFnSpec
         from rlfactory_megatron.rewards.pool import RewardPool
+        from rlfactory_megatron.rewards.served_judge import start_judge
 
         cfg = self.cfg
         if cfg.cache.enable:
             self._open_artifacts()
         if cfg.tools.enable:
             self._start_tool_pool(tool_specs)
-        self.reward_pool = RewardPool(cfg.reward.manager, RewardFnSpec.from_config(cfg.reward),
-                                      manager_options=dict(cfg.reward.manager_options),
-                                      num_workers=cfg.reward.num_workers, sample_timeout_s=cfg.reward.timeout_s,
-                                      remote=RemoteRewardSpec.from_config(cfg.reward),
-                                      combine=CombineSpec.from_config(cfg.reward.combine))
+        self.combine = CombineSpec.from_config(cfg.reward.combine)
+        # A judge on our engines scores on this process's event loop (as each trajectory ends); its
+        # replies share the tool-result cache, under the judge's own name.
+        self.judge = start_judge(cfg, self.fleet.layout, self.artifacts)
+        if self.judge is None or self.combine.uses_rule:
+            self.reward_pool = RewardPool(cfg.reward.manager, RewardFnSpec.from_config(cfg.reward),
+                                          manager_options=dict(cfg.reward.manager_options),
+                                          num_workers=cfg.reward.num_workers, sample_timeout_s=cfg.reward.timeout_s,
+                                          remote=RemoteRewardSpec.from_config(cfg.reward),
+                                          combine=self.combine if self.judge is None else None)
 
     def _cache_root(self) -> Path:
         """The run's HDF5 cache (cache.dir, default <output_dir>/cache): every step's trajectories
@@ -167,19 +174,25 @@ class RolloutGenerator:
     def finish(self, pending: PendingRollout) -> Rollouts:
         """Collective: the phase's rows from every generating process, this process's submitted for scoring."""
         n = self.samples_per_prompt(pending.greedy)
-        local, summaries, engines, versions = (pending.generation.result() if pending.generation is not None
-                                               else ({}, [], [], {}))
+        local, summaries, engines, versions, judged = (pending.generation.result() if pending.generation is not None
+                                                       else ({}, [], [], {}, {}))
         gathered = self.collectives.gather((summaries, engines))
         every_row = sorted((row for part, _ in gathered for row in part), key=lambda r: r.row)
         records = pending.records
         rollouts = Rollouts(every_row, [records[i // n] for i in range(len(records) * n)], n,
                             [stats for _, part in gathered for stats in part], local, versions)
         if local:
-            rollouts.reward_future = self.reward_pool.submit(self._reward_samples(rollouts, sorted(local)))
+            from rlfactory_megatron.rewards.combine import CombinedFuture
+
+            samples = self._reward_samples(rollouts, sorted(local))
+            rule = self.reward_pool.submit(samples) if self.reward_pool is not None else None
+            rollouts.reward_future = rule if self.judge is None else CombinedFuture(
+                samples, rule, [judged[row] for row in sorted(local)], self.combine.load())
         return rollouts
 
     async def _generate(self, pending: PendingRollout):
-        """This process's rows of a phase: (trajectories + text, summaries, engine stats, token versions)."""
+        """This process's rows of a phase: (trajectories + text, summaries, engine stats, token
+        versions, the judge's model scores)."""
         from rlfactory_megatron.envs.agent_loop import AgentLoopConfig, TurnBarrier, run_agent_loop
 
         records, step, greedy, first_row = pending.records, pending.step, pending.greedy, pending.first_row
@@ -202,11 +215,23 @@ class RolloutGenerator:
         fronts = router.fronts
         busy_before = [front.busy_s for front in fronts]
         barrier = TurnBarrier(len(mine)) if cfg.tools.turn_schedule == "lockstep" else None
-        trajectories = await asyncio.gather(*(
-            run_agent_loop(prompts[row // n], sessions[row], self.manager, run_tool,
-                           sampling if greedy else dataclasses.replace(sampling, seed=self.sample_seed(step, first_row + row)),
-                           loop_cfg, barrier)
-            for row in mine))
+        judging: dict[int, asyncio.Future] = {}  # placement own: each trajectory judged as soon as it ends
+
+        async def trajectory(row: int):
+            traj = await run_agent_loop(
+                prompts[row // n], sessions[row], self.manager, run_tool,
+                sampling if greedy else dataclasses.replace(sampling, seed=self.sample_seed(step, first_row + row)),
+                loop_cfg, barrier)
+            if self.judge is not None and self.judge.spec.overlaps_generation:
+                judging[row] = asyncio.ensure_future(self._judged(_reward_sample(records[row // n], traj,
+                                                                                 self._text(traj))))
+            return traj
+
+        trajectories = await asyncio.gather(*(trajectory(row) for row in mine))
+        judged = {}
+        if self.judge is not None:
+            judged = await self._judge_phase({row: _reward_sample(records[row // n], traj, self._text(traj))
+                                              for row, traj in zip(mine, trajectories) if row not in judging}, judging)
         local, summaries, versions = {}, [], {}
         generated = [0] * len(fronts)
         # Counted from this phase's own calls: with batches generating ahead (asynchronous RL) an
@@ -214,8 +239,7 @@ class RolloutGenerator:
         requests = [0] * len(fronts)
         newest = [-1] * len(fronts)  # the newest weights each engine generated this phase's tokens with
         for row, traj in zip(mine, trajectories):
-            text = self.tokenizer.decode([t for t, m in zip(traj.response_ids, traj.loss_mask) if m])
-            local[row] = (traj, text)
+            local[row] = (traj, self._text(traj))
             versions[row] = sessions[row].token_versions(sum(traj.loss_mask))
             summaries.append(RowSummary(row, layout.producer, len(traj.prompt_ids), len(traj.response_ids),
                                         len(traj.turns), sum(len(turn.tool_calls) for turn in traj.turns),
@@ -230,7 +254,38 @@ class RolloutGenerator:
                   "failed": float(index in router.failed)}
                  for index, (front, busy, calls, tokens, version)
                  in enumerate(zip(fronts, busy_before, requests, generated, newest))]
-        return local, summaries, stats, versions
+        return local, summaries, stats, versions, judged
+
+    def _text(self, traj) -> str:
+        """A trajectory's response as text: the tokens the policy generated (observations left out)."""
+        return self.tokenizer.decode([t for t, m in zip(traj.response_ids, traj.loss_mask) if m])
+
+    async def _judged(self, sample):
+        """The judge's score of `sample` and when it came."""
+        score = await self.judge.score(sample)
+        return score, time.monotonic()
+
+    async def _judge_phase(self, rest: dict, judging: dict[int, asyncio.Future]) -> dict:
+        """Every row's model score, once the phase's trajectories have ended: those judged meanwhile
+        (placement own) awaited, the `rest` (row -> sample) judged now (colocated: the judge woken
+        for them, then put back to sleep). Each score's `wait_s`: how long after the last
+        trajectory ended it came."""
+        ended = time.monotonic()
+        colocated = not self.judge.spec.overlaps_generation
+        if colocated:
+            await self.judge.wake_up()
+        try:
+            for row, sample in rest.items():
+                judging[row] = asyncio.ensure_future(self._judged(sample))
+            outcomes = dict(zip(judging, await asyncio.gather(*judging.values())))
+        finally:
+            if colocated:
+                await self.judge.sleep()
+        if self.judge.router.failed:  # own: its new actors start while the next phase generates
+            await self.judge.replace_failed()
+        for score, came in outcomes.values():
+            score.wait_s = max(0.0, came - ended)
+        return {row: score for row, (score, _) in outcomes.items()}
 
     def place(self, rollouts: Rollouts) -> TrainRows:
         """This DP rank's rows, from the processes that made them: each row goes point to point to
@@ -295,14 +350,7 @@ class RolloutGenerator:
         return rollouts.reward
 
     def _reward_samples(self, rollouts: Rollouts, rows: list[int]):
-        from rlfactory_megatron.rewards import RewardSample
-
-        return [RewardSample(rollouts.records[row].data_source, rollouts.local[row][1], rollouts.records[row].ground_truth,
-                             response_length=len(rollouts.local[row][0].response_ids),
-                             prompt=_user_text(rollouts.records[row].messages),
-                             tool_calls=[{"name": c.name, "arguments": c.arguments, "observation": c.observation}
-                                         for turn in rollouts.local[row][0].turns for c in turn.tool_calls])
-                for row in rows]
+        return [_reward_sample(rollouts.records[row], *rollouts.local[row]) for row in rows]
 
     def record(self, rows: TrainRows, batch: RolloutBatch, step: int) -> None:
         """The first rank of each DP rank writes the rows it trained, with the advantages `batch`
@@ -337,9 +385,21 @@ class RolloutGenerator:
             self.fleet.run(self.tool_pool.close())
         if self.reward_pool is not None:
             self.reward_pool.shutdown()
+        if self.judge is not None:
+            self.fleet.run(self.judge.close())
         for store in (self.rollout_store, self.artifacts):
             if store is not None:
                 store.close()
+
+
+def _reward_sample(record: PromptRecord, traj, text: str):
+    """One finished trajectory as the reward side reads it: its task, response text and tool calls."""
+    from rlfactory_megatron.rewards import RewardSample
+
+    return RewardSample(record.data_source, text, record.ground_truth, response_length=len(traj.response_ids),
+                        prompt=_user_text(record.messages),
+                        tool_calls=[{"name": c.name, "arguments": c.arguments, "observation": c.observation}
+                                    for turn in traj.turns for c in turn.tool_calls])
 
 
 def _user_text(messages: list[dict]) -> str:

@@ -67,6 +67,9 @@ class VLLMEngineHost:
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seeds=None) -> list[list[Generation]]:
         return self.engine.generate(prompts, sampling, seeds)
 
+    def classify(self, prompts: list[list[int]]) -> list[list[float]]:
+        return self.engine.classify(prompts)
+
     async def stream(self, prompts: list[list[int]], samplings: list[SamplingConfig]):
         """Yields `(index, (token_ids, log_probs))` as each request finishes, or `(index, exception)`
         for a request the engine refused; a cancelled call aborts its unfinished requests."""
@@ -133,6 +136,12 @@ class VLLMEngineHost:
     def finish_weight_update(self) -> None:
         self.engine.finish_weight_update()
 
+    def sleep(self, level: int = 2) -> None:
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.engine.wake_up(tags)
+
     async def close(self) -> None:
         if self.front is not None:
             await self.front.close()
@@ -145,13 +154,15 @@ class RayVLLMEngine:
     """Client for a VLLMEngineHost actor with the rollout-engine interface (blocking calls)."""
 
     def __init__(self, hf_dir: str, num_cpus: float = 1, num_gpus: float = 0, name: str | None = None,
-                 **engine_kwargs) -> None:
+                 env: dict[str, str] | None = None, **engine_kwargs) -> None:
         import ray
 
         host_cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(VLLMEngineHost)
         self._ray = ray
         # max_restarts=0: a dead engine is replaced by its owner, with the weights of the next sync.
-        self.actor = host_cls.options(name=name, max_restarts=0).remote(hf_dir, **engine_kwargs)
+        # `env`: the actor's environment variables (a colocated judge's devices: its owner's).
+        options = {"runtime_env": {"env_vars": env}} if env else {}
+        self.actor = host_cls.options(name=name, max_restarts=0, **options).remote(hf_dir, **engine_kwargs)
         self._weight_names: dict[str, tuple[int, ...]] | None = None
 
     def generate(self, prompts, sampling, seeds=None):
@@ -173,11 +184,21 @@ class RayVLLMEngine:
                 except Exception:  # noqa: BLE001 - the actor is gone already
                     pass
 
+    async def classify(self, prompts: list[list[int]]) -> list[list[float]]:
+        """A pooling engine's class logits of each sequence (see VLLMEngine.classify)."""
+        return await self.actor.classify.remote(prompts)
+
     async def interrupt(self) -> None:
         await self.actor.interrupt.remote()
 
     async def release(self) -> None:
         await self.actor.release.remote()
+
+    def sleep(self, level: int = 2) -> None:
+        self._ray.get(self.actor.sleep.remote(level))
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self._ray.get(self.actor.wake_up.remote(tags))
 
     def weight_names(self):
         """The names and shapes a sync must deliver: those of the checkpoint the actor started from,

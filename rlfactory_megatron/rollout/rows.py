@@ -183,7 +183,7 @@ class PendingRollout:
     step: int
     greedy: bool
     first_row: int
-    generation: concurrent.futures.Future | None = None  # -> (local, summaries, engine stats, versions)
+    generation: concurrent.futures.Future | None = None  # -> (local, summaries, engine stats, versions, model scores)
 
 
 @dataclass

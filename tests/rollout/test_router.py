@@ -124,18 +124,18 @@ def test_an_engine_that_fails_a_step_inside_a_live_actor_counts_as_dead():
     # What rlf-train's router is given: a Ray actor's death and a failed vLLM step inside a live
     # actor both move the requests to the other engines; a bad request does not.
     from rlfactory_megatron.rollout.fronts import EngineStepError
-    from rlfactory_megatron.rollout.fleet import _engine_died
+    from rlfactory_megatron.rollout.fleet import engine_died
 
     class FailingStep(Engine):
         async def generate(self, prompt, sampling):
             raise EngineStepError("the engine failed a step: RuntimeError: core died")
 
     healthy = Engine(0.001)
-    router = EngineRouter([FailingStep(0.0), healthy], is_failure=_engine_died)
+    router = EngineRouter([FailingStep(0.0), healthy], is_failure=engine_died)
     results = asyncio.run(_all(router.session().generate([i], SamplingConfig()) for i in range(4)))
     assert results == [([7, 8], [-0.1, -0.2])] * 4 and sorted(healthy.served) == [0, 1, 2, 3]
     assert list(router.failed) == [0] and "failed a step" in router.failed[0]
-    assert not _engine_died(ValueError("prompt too long"))
+    assert not engine_died(ValueError("prompt too long"))
 
 
 async def _all(calls):

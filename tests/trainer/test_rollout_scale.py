@@ -86,8 +86,9 @@ def test_two_engines_colocated_disaggregated_or_context_parallel_make_the_sample
 
 def test_a_disaggregated_engine_killed_mid_step_is_replaced_and_no_trajectory_changes(tmp_path):
     # A calculator whose first call kills engine 0 (a Ray actor) while the step's other samples
-    # are in flight on it: they run again on engine 1, a new engine 0 gets the next sync's
-    # weights, and the run's trajectories are those of a run where nothing died.
+    # are in flight on it, and the judge's engine (on devices of its own): the samples run again
+    # on engine 1, a new engine 0 gets the next sync's weights, a new judge engine takes the
+    # judge's requests, and the run's trajectories and rewards are those of a run where nothing died.
     from pathlib import Path
 
     faults = Path(__file__).parent / "faults"
@@ -95,21 +96,36 @@ def test_a_disaggregated_engine_killed_mid_step_is_replaced_and_no_trajectory_ch
     # The task's own calculator entry (its short description), the killing class in its place.
     tools.write_text("tools:\n  - class: rlf_faulty.EngineKillingCalculator\n"
                      "    description: Evaluate an arithmetic expression.\n")
+    # The reward: the task's rule plus the tiny judge's score (the random tiny model writes no
+    # score tags: its reply's length is its score, so that every reply counts in the reward).
+    parser = tmp_path / "length_parser.py"
+    parser.write_text("def parse(reply):\n    return len(reply) / 100.0\n")
+    judge = ("reward.model.kind=generative", "reward.model.path=tiny://qwen3", "reward.model.placement=own",
+             f"reward.model.parser={parser}:parse", "reward.model.max_tokens=16", "reward.model.max_prompt_tokens=1000",
+             "reward.combine.rule_weight=1", "reward.combine.model_weight=1")
     # A longer warm-start, so that the tiny policy calls the calculator; the killing one is the
     # plain calculator (same name and schema) apart from its first call.
     run = (*RUN, "rollout.mode=disaggregated", "rollout.num_engines=2", "trainer.sft_steps=60",
            "trainer.sft_batch_size=16", "trainer.prompts_per_step=4", "trainer.total_steps=2", "trainer.val_every=0",
-           "tools.call_timeout_s=300")  # the killing call's actor lookup must not time out
+           "tools.call_timeout_s=300", *judge)  # the killing call's actor lookup must not time out
     # Ray's tool workers import it by name; the marker file makes it kill once in the run.
-    env = {"PYTHONPATH": str(faults), "RLF_TEST_KILL_ENGINE_ONCE": str(tmp_path / "engine-killed")}
+    env = {"PYTHONPATH": str(faults), "RLF_TEST_KILL_ENGINE_ONCE": str(tmp_path / "engine-killed"),
+           "RLF_TEST_ALSO_KILL": "rlf-judge-0-0"}
     calm = rlf_train(tmp_path, "calm", *run)  # the built-in calculator
     killed = rlf_train(tmp_path, "killed", *run, f"tools.config_path={tools}", env=env)
     assert calm.returncode == 0, calm.stderr[-3000:]
     assert killed.returncode == 0, killed.stderr[-3000:]
-    assert "rollout engine 0 died" in killed.stdout
+    assert "rollout engine 0 died" in killed.stdout and "judge engine 0 died" in killed.stdout
     steps = records(tmp_path / "killed")[1:]
     assert sum(r["rollout/tool_calls_per_sample"] for r in steps) > 0
     assert stored_trajectories(tmp_path / "killed") == stored_trajectories(tmp_path / "calm")
+    # The judge scored every sample (its replies in the rewards compared above), none failed; own
+    # devices: each trajectory judged as it ended, so the reward wait after the last one is a
+    # small part of the judging time (every request's latency summed).
+    for r in records(tmp_path / "calm")[1:] + steps:
+        assert r["reward/model/failed/sum"] == 0 and r["reward/model/score/mean"] > 0, r
+    for r in records(tmp_path / "calm")[1:]:
+        assert r["reward/model/wait_s/max"] < 0.25 * r["reward/model/latency_s/sum"], r
     # Marked failed in its step when a request saw it die; with none in flight on it, the check
     # before the sync finds it instead. Either way a new one takes the next sync's weights.
     assert sum(r["rollout/engine_0_failed"] for r in steps) <= 1

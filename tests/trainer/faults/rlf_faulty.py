@@ -76,7 +76,9 @@ def _kill_engine_once() -> None:
         return
     import ray
 
-    ray.kill(ray.get_actor("rlf-engine-0"), no_restart=True)
+    # RLF_TEST_ALSO_KILL: more actors to kill with it (a judge engine, rlf-judge-0-0).
+    for name in ["rlf-engine-0", *filter(None, os.environ.get("RLF_TEST_ALSO_KILL", "").split(","))]:
+        ray.kill(ray.get_actor(name), no_restart=True)
 
 
 class SlowCalculator(CalculatorTool):
