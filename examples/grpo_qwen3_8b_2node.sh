@@ -19,9 +19,4 @@ DATA=${DATA:-$HOME/data/math}
   .venv/bin/python examples/data_preprocess/math_dataset.py ${MATH_SOURCE:+--source "$MATH_SOURCE"} --out "$DATA"
 args=(--config rlfactory_megatron/config/examples/qwen3_8b_grpo_2node.yaml model.path="$MODEL"
       trainer.data_path="$DATA/train.parquet" trainer.val_data_path="$DATA/test.parquet")
-if [ -n "${SLURM_JOB_ID:-}" ]; then
-  exec bash slurm/train.sbatch "${args[@]}" "$@"
-fi
-[ $# -ge 3 ] || { echo "usage: $0 NODE_RANK NNODES MASTER_ADDR [overrides...] (or sbatch it)" >&2; exit 2; }
-node_rank=$1 nnodes=$2 master=$3; shift 3
-RLF_NPROC_PER_NODE=${GPUS:-8} exec scripts/launch_multinode.sh "$node_rank" "$nnodes" "$master" -- "${args[@]}" "$@"
+exec scripts/launch_example_nodes.sh "$0" "${args[@]}" -- "$@"

@@ -137,6 +137,7 @@ REAL_SHAPES = {
 @pytest.mark.parametrize("name,model,world", [
     ("qwen2_5_7b_grpo_8gpu.yaml", "qwen2_7b", 8), ("qwen2_7b_ppo_megatron.yaml", "qwen2_7b", 8),
     ("qwen3_8b_grpo_2node.yaml", "qwen3_8b", 16), ("llama3_1_8b_grpo_8gpu.yaml", "llama3_1_8b", 8),
+    ("qwen3_30b_a3b_grpo_2node.yaml", "qwen3_30b_a3b", 16),
 ])
 def test_example_cluster_configs_load_and_fit_their_models(name, model, world):
     from pathlib import Path

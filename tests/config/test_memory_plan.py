@@ -23,7 +23,8 @@ ROOT = Path(__file__).parents[2]
 EXAMPLES = ROOT / "rlfactory_megatron" / "config" / "examples"
 # (config, its model's shape, the job's ranks)
 EXAMPLE_JOBS = [("qwen2_5_7b_grpo_8gpu.yaml", "qwen2_7b", 8), ("qwen2_7b_ppo_megatron.yaml", "qwen2_7b", 8),
-                ("qwen3_8b_grpo_2node.yaml", "qwen3_8b", 16), ("llama3_1_8b_grpo_8gpu.yaml", "llama3_1_8b", 8)]
+                ("qwen3_8b_grpo_2node.yaml", "qwen3_8b", 16), ("llama3_1_8b_grpo_8gpu.yaml", "llama3_1_8b", 8),
+                ("qwen3_30b_a3b_grpo_2node.yaml", "qwen3_30b_a3b", 16)]
 
 
 def test_parameter_counts_are_the_models_published_ones():
@@ -142,13 +143,21 @@ def test_each_example_fits_the_gpu_it_names_by_rlf_train_plan(tmp_path):
         assert f"dp=2 ({world} ranks)" in out.stdout and "device: 79.00 GiB (parallel.device_memory_gib)" in out.stdout
         for term in ("actor weights (bfloat16)", "actor gradients (fp32)",
                      "actor optimizer (fp32 main params + Adam moments, 1/2 each)", "activations (16384 tokens, recompute)",
-                     "engine share (0.5 of the device)", "engine weights (bfloat16, 1/2 each)", "KV cache at most"):
+                     "engine share (0.5 of the device)", f"engine weights (bfloat16, 1/{_example(name).rollout.tp} each)",
+                     "KV cache at most"):
             assert term in out.stdout, (name, term, out.stdout)
         assert "GiB to spare" in out.stdout.splitlines()[-1], (name, out.stdout)
     assert {job[0] for job in EXAMPLE_JOBS} == {p.name for p in EXAMPLES.glob("*.yaml")}
     ppo = runs[1][0].stdout
     assert "critic optimizer" in ppo and "reference" not in ppo
     assert "reference weights (bfloat16)" in runs[0][0].stdout
+    # Qwen3-30B-A3B on 2 nodes: 64 of 128 experts per rank, the actor in host memory while the
+    # engines generate (generation holds the runtime allowance and the engine share alone).
+    moe = runs[4][0].stdout
+    assert "qwen3_moe (48 layers, 30.53B parameters); tp=4 pp=2 ep=2 dp=2 (16 ranks)" in moe
+    assert "total" in moe and "generation" in moe
+    generation = next(line for line in moe.splitlines() if line.startswith("total")).split()[2]
+    assert float(generation) == 2.00 + 39.50, moe
     # model.params_dtype=auto (the schema's default), planned here without a GPU: as a GPU node
     # resolves it (TE layers, bfloat16), not as this machine would run it (float32).
     auto, _ = _rlf_train_plan(tmp_path, EXAMPLE_JOBS[0][0], folders["qwen2_7b"], 8, "model.params_dtype=auto")

@@ -117,7 +117,7 @@ BEHAVIOUR = ("trainer.sft_steps", "trainer.algorithm", "trainer.max_refill_round
 LOCATIONS = ("model.path", "trainer.data_path", "trainer.val_data_path", "trainer.output_dir")
 TINY_MODEL = {"grpo_qwen2_5_7b_gsm8k_tools.sh": "tiny://qwen2", "grpo_llama3_1_8b_gsm8k_tools.sh": "tiny://llama",
               "ppo_trainer/run_qwen2-7b_math_gsm8k_megatron.sh": "tiny://qwen2",
-              "grpo_qwen3_8b_2node.sh": "tiny://qwen3"}
+              "grpo_qwen3_8b_2node.sh": "tiny://qwen3", "grpo_qwen3_30b_a3b_2node.sh": "tiny://qwen3_moe"}
 
 
 def test_the_scale_list_holds_no_behaviour_key():

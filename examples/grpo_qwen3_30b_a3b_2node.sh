@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Qwen3-30B-A3B (MoE), GRPO with the calculator tool on GSM8K, 2 nodes x 8 GPUs (tp=4 pp=2 ep=2
+# dp=2, actor offloaded while the engines generate, routing replay R2: R3 is not wired into a run yet).
+# With Slurm (Ray head/worker and torchrun on each node come from the sbatch script):
+#   MODEL=/models/Qwen3-30B-A3B DATA=~/data/gsm8k sbatch --nodes=2 examples/grpo_qwen3_30b_a3b_2node.sh
+# Without Slurm, on each node (NODE_RANK 0 and 1, MASTER_ADDR = node 0's address):
+#   MODEL=... DATA=... examples/grpo_qwen3_30b_a3b_2node.sh NODE_RANK 2 MASTER_ADDR
+# Check the layout first: rlf-train --plan --world-size 16 --config <its yaml> model.path=$MODEL
+# DATA is written once from the Hugging Face hub (GSM8K_SOURCE=<folder>: from a local copy of it).
+#SBATCH --job-name=rlf-qwen3-30b-a3b
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=8
+#SBATCH --exclusive
+#SBATCH --output=logs/%x-%j.out
+set -euo pipefail
+cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"
+MODEL=${MODEL:-/models/Qwen3-30B-A3B}
+DATA=${DATA:-$HOME/data/gsm8k}
+[ -f "$DATA/train.parquet" ] && [ -f "$DATA/test.parquet" ] ||
+  .venv/bin/python examples/data_preprocess/gsm8k.py ${GSM8K_SOURCE:+--source "$GSM8K_SOURCE"} --out "$DATA"
+args=(--config rlfactory_megatron/config/examples/qwen3_30b_a3b_grpo_2node.yaml model.path="$MODEL"
+      trainer.data_path="$DATA/train.parquet" trainer.val_data_path="$DATA/test.parquet")
+exec scripts/launch_example_nodes.sh "$0" "${args[@]}" -- "$@"
