@@ -170,7 +170,7 @@ class RolloutGenerator:
 
     async def _generate(self, pending: PendingRollout):
         """This process's rows of a phase: (trajectories + text, summaries, engine stats, token versions)."""
-        from rlfactory_megatron.envs.agent_loop import AgentLoopConfig, TurnBarrier, run_agent_loop
+        from rlfactory_megatron.envs.agent_loop import TURN_SCHEDULES, AgentLoopConfig, run_agent_loop
 
         records, step, greedy, first_row = pending.records, pending.step, pending.greedy, pending.first_row
         n = self.samples_per_prompt(greedy)
@@ -193,7 +193,7 @@ class RolloutGenerator:
         sessions = {row: router.session() for row in mine}  # each trajectory stays on one engine
         engines = router.engines
         busy_before = [engine.busy_s for engine in engines]
-        barrier = TurnBarrier(len(mine)) if cfg.tools.turn_schedule == "lockstep" else None
+        barrier = TURN_SCHEDULES.get(cfg.tools.turn_schedule)(len(mine))
         trajectories = await asyncio.gather(*(
             run_agent_loop(prompts[row // n], sessions[row], self.manager, run_tool,
                            sampling if greedy else {**sampling, "seed": self.sample_seed(step, first_row + row)},
