@@ -141,7 +141,8 @@ def _leaf_keys(node, prefix: str = "") -> set[str]:
 def _resolve_auto(cfg, for_gpu: bool = False) -> None:
     """`auto` values made concrete once, so that every rank, the engines and the saved config see
     the same: the parameters' dtype for the layer spec on this machine, the mode's own weight-sync
-    transport. (`tools.channel=auto` stays: each node picks its own.)"""
+    transport. (`model.layer_spec` and `tools.channel` stay `auto`: each node resolves them for
+    its own devices and network.)"""
     from rlfactory_megatron.models.builder import resolve_params_dtype
     from rlfactory_megatron.rollout.modes import ROLLOUT_MODES
 
