@@ -7,7 +7,6 @@ import torch
 import torch.distributed as dist
 
 from rlfactory_megatron.actor.actor import Actor, PolicyModel
-from rlfactory_megatron.actor.batch import RolloutBatch
 from rlfactory_megatron.config import load_config
 from rlfactory_megatron.models.builder import BuildOptions
 from rlfactory_megatron.models.hf_arch import load_arch
@@ -15,25 +14,9 @@ from rlfactory_megatron.rollout.engines import Generation, SamplingConfig, VLLME
 from rlfactory_megatron.rollout.weight_sync import InProcessTransport, WeightSyncError, sync_weights
 from rlfactory_megatron.runtime.distributed import ParallelSizes, destroy_distributed, init_distributed
 from rlfactory_megatron.rollout.fleet import EngineFleet
+from toy_rows import engine_batch
 
 PROMPTS = [[5, 17, 42, 7], [100, 3, 9, 250, 11, 12], [61, 62], [300, 301, 302]]
-
-
-def batch_from_generations(prompts, generations, width_pad: int = 0) -> tuple[RolloutBatch, torch.Tensor]:
-    """Rows = prompt + sampled response; also returns the engine's log-probs aligned to tokens."""
-    rows = [(p, g) for p, gens in zip(prompts, generations) for g in gens]
-    width = max(len(p) + len(g.token_ids) for p, g in rows) + width_pad
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width)
-    engine_lp = torch.zeros(len(rows), width)
-    lengths = []
-    for i, (p, g) in enumerate(rows):
-        seq = p + g.token_ids
-        ids[i, : len(seq)] = torch.tensor(seq)
-        mask[i, len(p) : len(seq)] = 1
-        engine_lp[i, len(p) : len(seq)] = torch.tensor(g.log_probs)
-        lengths.append(len(seq))
-    return RolloutBatch(ids, torch.tensor(lengths), mask), engine_lp
 
 
 def _generate_on_leader(engine, sampling):
@@ -116,7 +99,7 @@ def sync_worker(hf_dir: str, tp: int, pp: int, bucket_mb: float, steps: int = 1,
         report = {"max_diff": [], "mean_engine_lp": [], "sync": []}
         for step in range(steps + 1):
             if step > 0:  # an optimizer step, then a re-sync
-                batch, engine_lp = batch_from_generations(PROMPTS, generations)
+                batch, engine_lp = engine_batch(PROMPTS, generations)
                 batch = batch.with_fields(old_log_probs=engine_lp, advantages=torch.randn(batch.input_ids.shape))
                 actor.update(batch)
                 if break_sync and engine is not None:
@@ -141,7 +124,7 @@ def sync_worker(hf_dir: str, tp: int, pp: int, bucket_mb: float, steps: int = 1,
                                            "max_bucket_bytes": stats.max_bucket_bytes,
                                            "message_bytes": stats.message_bytes})
             generations = _generate_on_leader(engine, sampling)
-            batch, engine_lp = batch_from_generations(PROMPTS, generations)
+            batch, engine_lp = engine_batch(PROMPTS, generations)
             actor_lp = actor.compute_log_probs(batch)["log_probs"]
             mask = batch.loss_mask > 0
             report["max_diff"].append((actor_lp - engine_lp)[mask].abs().max().item())
@@ -252,7 +235,7 @@ def sync_mid_decode_worker(hf_dir: str) -> dict:
         engine = VLLMEngine(hf_dir, max_model_len=128, max_num_seqs=8)
         transport = InProcessTransport(engine)
         generations = engine.generate(PROMPTS, SamplingConfig(n=2, max_tokens=12, seed=11))
-        batch, engine_lp = batch_from_generations(PROMPTS, generations)
+        batch, engine_lp = engine_batch(PROMPTS, generations)
         actor.update(batch.with_fields(old_log_probs=engine_lp, advantages=torch.randn(batch.input_ids.shape)))
 
         async def generate_across_the_update():
@@ -272,7 +255,7 @@ def sync_mid_decode_worker(hf_dir: str) -> dict:
                 await router.engines[0].close()
 
         ids, log_probs, calls, cut_before_done = asyncio.run(generate_across_the_update())
-        batch, engine_lp = batch_from_generations([PROMPTS[1]], [[Generation(ids, log_probs)]])
+        batch, engine_lp = engine_batch([PROMPTS[1]], [[Generation(ids, log_probs)]])
         start = len(PROMPTS[1])
         before = calls[0][2]
         gaps = {}
