@@ -26,6 +26,8 @@ NON_NEGATIVE = ("model.moe.aux_loss_coeff", "model.moe.z_loss_coeff", "trainer.s
                 "critic.optim.clip_grad", "actor.kl_loss_coef", "actor.clip_ratio_low", "actor.clip_ratio_high")
 POSITIVE = ("actor.optim.lr", "critic.optim.lr", "trainer.sft_lr", "actor.optim.adam_eps", "critic.optim.adam_eps",
             "reward.timeout_s", "tools.call_timeout_s", "critic.cliprange_value", "reward.remote.timeout_s")
+
+
 def closed_sets(cfg) -> dict[str, Collection[str]]:
     """Every key whose value is one of a closed set -> the names it may take: the registry that
     holds them (a new entry is allowed as soon as it registers), a fixed tuple where no registry
@@ -130,7 +132,7 @@ def config_from_yaml(text: str) -> RLFConfig:
 def _leaf_keys(node, prefix: str = "") -> set[str]:
     """The dotted keys a YAML file or the overrides give a value (what the user set)."""
     keys = set()
-    for key, value in node.items():
+    for key, value in node.items_ex(resolve=False):  # an interpolation is resolved in the whole tree only
         if OmegaConf.is_dict(value) and value:
             keys |= _leaf_keys(value, f"{prefix}{key}.")
         else:
