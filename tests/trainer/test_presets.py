@@ -31,6 +31,7 @@ def test_a_key_the_user_set_is_kept(algorithm):
 def test_a_key_set_to_its_schema_default_is_kept(tmp_path):
     """Set is set, whatever the value: gspo with actor.policy_loss=ppo (the schema's default) trains
     ppo, from the command line and from a config file alike."""
+    assert load_config(overrides=["trainer.algorithm=gspo"]).actor.policy_loss == "gspo"
     assert load_config(overrides=["trainer.algorithm=gspo", "actor.policy_loss=ppo"]).actor.policy_loss == "ppo"
     path = tmp_path / "run.yaml"
     path.write_text("model:\n  path: tiny://qwen3\ntrainer:\n  algorithm: gspo\nactor:\n  policy_loss: ppo\n")
