@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
 
 from rlfactory_megatron.envs.tool_manager import ToolManager, truncate_observation
 from rlfactory_megatron.envs.tools import ToolResult
+from rlfactory_megatron.registry import Registry
 
 if TYPE_CHECKING:
     from rlfactory_megatron.rollout.engines import SamplingConfig
@@ -98,6 +99,14 @@ class TurnBarrier:
     def _release(self) -> None:
         self.released.set()
         self.released, self.arrived = asyncio.Event(), 0
+
+
+# `tools.turn_schedule`: what a batch of `parties` loops shares to schedule its turns.
+# per_sample: nothing, each trajectory takes its next turn as soon as its tool results are back;
+# lockstep: a TurnBarrier.
+TURN_SCHEDULES: Registry[Callable[[int], TurnBarrier | None]] = Registry("turn schedule")
+TURN_SCHEDULES.register("per_sample", lambda parties: None)
+TURN_SCHEDULES.register("lockstep", TurnBarrier)
 
 
 async def run_agent_loop(

@@ -11,7 +11,7 @@ out=$(realpath -m "$1")
 mkdir -p "$out"
 cd "$out"  # not the worktree: `python -m` would import the package from the working directory
 bin=$root/.venv/bin
-read -r -a small < <("$bin/python" -c "import sys; sys.path.insert(0, '$root/tests/trainer'); from rlf_train_cli import SMALL; print(*SMALL)")
+read -r -a small < <("$bin/python" -c "import sys; sys.path[:0] = ['$root/tests/common', '$root/tests/trainer']; from rlf_train_cli import SMALL; print(*SMALL)")
 export OMP_NUM_THREADS=1 RLF_DEVICE_DISCIPLINE=1 RLF_CACHE_HOME=$out/rlf-cache
 unset RANK WORLD_SIZE LOCAL_RANK RAY_ADDRESS
 common=("${small[@]}" "trainer.seed=1234" "trainer.sft_cache=$out/warm-starts")

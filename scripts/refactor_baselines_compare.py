@@ -3,7 +3,7 @@ and metrics.jsonl must be equal bit for bit, timings apart (tests/trainer/rlf_tr
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "trainer"))
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent / "tests" / folder) for folder in ("common", "trainer")]
 from rlf_train_cli import assert_same_metrics, records, stored_trajectories  # noqa: E402
 
 RUNS = ("default", "colocated_dp2", "disaggregated")

@@ -71,7 +71,7 @@ def load_tool_specs(path: str | Path) -> list[ToolSpec]:
         return parse_tool_specs(yaml.safe_load(f))
 
 
-def check_tool_specs(specs: list[ToolSpec], where: str) -> None:
+def check_tool_specs(specs: list[ToolSpec]) -> None:
     """Every declared tool class exists and takes its params (nothing is built): a typo fails at
     load, not after the model and the engines have started."""
     import inspect
@@ -80,11 +80,11 @@ def check_tool_specs(specs: list[ToolSpec], where: str) -> None:
         try:
             cls = resolve_tool_class(spec.cls)
         except ValueError as exc:
-            raise ValueError(f"{where}: tools[{i}]: {exc}") from None
+            raise ValueError(f"tools[{i}]: {exc}") from None
         try:
             inspect.signature(cls).bind(**spec.params)
         except TypeError as exc:
-            raise ValueError(f"{where}: tools[{i}] ({spec.cls}).params: {exc}; {cls.__name__} takes "
+            raise ValueError(f"tools[{i}] ({spec.cls}).params: {exc}; {cls.__name__} takes "
                              f"{inspect.signature(cls)}") from None
 
 

@@ -133,16 +133,11 @@ def mini_batches(batch: RolloutBatch, size: int) -> list[tuple[list[int], Rollou
 
 
 def policy_loss_options(actor_cfg) -> dict[str, float]:
-    """The clip settings the user set (those differing from the schema's defaults): a loss
-    variant's own defaults (GSPO's 3e-4/4e-4 bounds, dual-clip's c, clip-higher's 0.28) hold for
-    the keys left alone."""
-    from rlfactory_megatron.config.schema import ActorConfig
-
-    defaults = ActorConfig()
-    options = {}
-    for option, key in (("clip_low", "clip_ratio_low"), ("clip_high", "clip_ratio_high"), ("clip_ratio_c", "clip_ratio_c")):
-        if getattr(actor_cfg, key) != getattr(defaults, key):
-            options[option] = getattr(actor_cfg, key)
+    """The clip settings the config gives (null ones left to the loss variant: GSPO's 3e-4/4e-4
+    bounds, dual-clip's c, clip-higher's 0.28)."""
+    options = {option: getattr(actor_cfg, key) for option, key in (
+        ("clip_low", "clip_ratio_low"), ("clip_high", "clip_ratio_high"), ("clip_ratio_c", "clip_ratio_c"))
+        if getattr(actor_cfg, key) is not None}
     if "clip_ratio_c" in options and actor_cfg.policy_loss != "dual-clip":
         del options["clip_ratio_c"]  # only dual-clip has the lower bound c
     return options

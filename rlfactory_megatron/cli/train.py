@@ -80,7 +80,6 @@ def main(argv: list[str] | None = None) -> int:
     from rlfactory_megatron.runtime.launch_env import detect_launch_env
     from rlfactory_megatron.runtime.threads import choose_threads
     from rlfactory_megatron.trainer.memory_plan import device_memory, memory_plan
-    from rlfactory_megatron.trainer.presets import apply_preset
 
     try:
         launch = detect_launch_env()
@@ -91,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         # `auto` is resolved as a GPU node with the GPU stack resolves it.
         from rlfactory_megatron.runtime.cpu_compat import cuda_available
 
-        cfg = load_config(args.config, args.overrides, for_gpu=args.plan and not cuda_available())
-        _, implied = apply_preset(cfg)  # written into config.yaml, so every rank and a resume see them
+        implied: list[str] = []  # the preset's settings, written into config.yaml for every rank and a resume
+        cfg = load_config(args.config, args.overrides, for_gpu=args.plan and not cuda_available(), preset_log=implied)
         if implied and launch.rank == 0:
             print(f"rlf-train: {cfg.trainer.algorithm} implies {', '.join(implied)}")
         if args.print_config:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
-from typing import Sequence
+from typing import Collection, Sequence
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -11,22 +11,6 @@ from omegaconf.errors import OmegaConfBaseException
 from rlfactory_megatron.config.schema import MoEConfig, RLFConfig
 
 DEFAULT_CONFIG = Path(__file__).with_name("default.yaml")
-# Closed sets of values that no registry holds, checked with a message that lists the allowed ones.
-CHOICES: dict[str, tuple] = {
-    "model.params_dtype": ("auto", "float32", "bfloat16", "float16"),
-    "model.layer_spec": ("auto", "local_sdpa", "local", "transformer_engine"),
-    "model.moe.load_balancing": ("none", "aux_loss", "seq_aux_loss"),
-    "model.moe.router_dtype": ("fp32", "fp64"),
-    "actor.moe.routing_replay": ("none", "R2"),  # R3 (the engine's routes) comes with the engine side
-    "actor.optim.lr_decay_style": ("constant", "linear", "cosine"),
-    "critic.optim.lr_decay_style": ("constant", "linear", "cosine"),
-    "trainer.sft_lr_decay_style": ("constant", "linear", "cosine"),
-    "rollout.mode": ("colocated", "disaggregated"),
-    "rollout.truncation": ("error", "left", "right"),
-    "tools.channel": ("auto", "unix", "tcp"),
-    "tools.turn_schedule": ("per_sample", "lockstep"),
-    "logging.wandb_mode": ("online", "offline"),
-}
 POSITIVE_INTS = ("parallel.tp", "parallel.pp", "parallel.cp", "parallel.ep", "rollout.n", "rollout.tp", "actor.ppo_epochs",
                  "actor.mini_batch_size", "actor.max_tokens_per_microbatch", "trainer.total_steps",
                  "trainer.prompts_per_step", "weight_sync.bucket_mb", "tools.max_turns", "trainer.sft_batch_size",
@@ -42,27 +26,70 @@ NON_NEGATIVE = ("model.moe.aux_loss_coeff", "model.moe.z_loss_coeff", "trainer.s
                 "critic.optim.clip_grad", "actor.kl_loss_coef", "actor.clip_ratio_low", "actor.clip_ratio_high")
 POSITIVE = ("actor.optim.lr", "critic.optim.lr", "trainer.sft_lr", "actor.optim.adam_eps", "critic.optim.adam_eps",
             "reward.timeout_s", "tools.call_timeout_s", "critic.cliprange_value", "reward.remote.timeout_s")
-# Keys whose allowed values are a registry's names: a new entry is allowed as soon as it registers.
-def _registries() -> dict[str, object]:
+
+
+def closed_sets(cfg) -> dict[str, Collection[str]]:
+    """Every key whose value is one of a closed set -> the names it may take: the registry that
+    holds them (a new entry is allowed as soon as it registers), a fixed tuple where no registry
+    does. `auto` is allowed where load_config resolves it (or, for tools.channel, each node)."""
     from rlfactory_megatron.algorithms.aggregation import LOSS_AGGREGATIONS
     from rlfactory_megatron.algorithms.kl import KL_PENALTIES
     from rlfactory_megatron.algorithms.policy_losses import POLICY_LOSSES
+    from rlfactory_megatron.envs.agent_loop import TURN_SCHEDULES
     from rlfactory_megatron.envs.tool_manager import TOOL_FORMATS
+    from rlfactory_megatron.models.builder import LAYER_SPECS
     from rlfactory_megatron.rewards import PROTOCOLS, REWARD_MANAGERS
+    from rlfactory_megatron.rollout import ray_engine  # noqa: F401  (registers the broadcast transport)
+    from rlfactory_megatron.rollout.engines import ROLLOUT_ENGINES
+    from rlfactory_megatron.rollout.modes import ROLLOUT_MODES
+    from rlfactory_megatron.rollout.weight_sync import TRANSPORTS
     from rlfactory_megatron.trainer.presets import ALGORITHM_PRESETS
+    from rlfactory_megatron.trainer.tasks import TASKS
 
-    return {"trainer.algorithm": ALGORITHM_PRESETS, "actor.policy_loss": POLICY_LOSSES,
-            "actor.kl_penalty": KL_PENALTIES, "actor.loss_agg_mode": LOSS_AGGREGATIONS,
-            "tools.format": TOOL_FORMATS, "reward.manager": REWARD_MANAGERS, "reward.remote.protocol": PROTOCOLS}
+    decay_styles = ("constant", "linear", "cosine")
+    sets = {
+        "model.params_dtype": ("auto", "float32", "bfloat16", "float16"),
+        "model.layer_spec": LAYER_SPECS,
+        "model.moe.load_balancing": ("none", "aux_loss", "seq_aux_loss"),
+        "model.moe.router_dtype": ("fp32", "fp64"),
+        "actor.moe.routing_replay": ("none", "R2"),  # R3 (the engine's routes) comes with the engine side
+        "actor.policy_loss": POLICY_LOSSES,
+        "actor.kl_penalty": KL_PENALTIES,
+        "actor.loss_agg_mode": LOSS_AGGREGATIONS,
+        "actor.optim.lr_decay_style": decay_styles,
+        "critic.optim.lr_decay_style": decay_styles,
+        "trainer.algorithm": ALGORITHM_PRESETS,
+        "trainer.sft_lr_decay_style": decay_styles,
+        "rollout.mode": ROLLOUT_MODES,
+        "rollout.engine": ROLLOUT_ENGINES,
+        "rollout.truncation": ("error", "left", "right"),
+        "weight_sync.transport": ("auto", *TRANSPORTS),
+        "tools.format": TOOL_FORMATS,
+        "tools.channel": ("auto", "unix", "tcp"),
+        "tools.turn_schedule": TURN_SCHEDULES,
+        "reward.manager": REWARD_MANAGERS,
+        "reward.remote.protocol": PROTOCOLS,
+        "logging.wandb_mode": ("online", "offline"),
+    }
+    if not cfg.trainer.data_path:  # a run with its own data names no built-in task
+        sets["trainer.task"] = TASKS
+    return sets
+
+
+# Refusals that say more than "is not allowed": (what the value is not, what else would do).
+_REFUSALS = {"trainer.task": ("is not a built-in task", " (or give trainer.data_path)")}
 
 
 class ConfigError(ValueError):
     """A configuration key is unknown, mistyped or inconsistent; the message names it."""
 
 
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), for_gpu: bool = False) -> RLFConfig:
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), for_gpu: bool = False,
+                preset_log: list[str] | None = None) -> RLFConfig:
     """Schema <- the YAML at `path` (or, without one, default.yaml: the embedded default's
-    tiny-model run) <- dotted `key=value` overrides, then validated. A file starts from the
+    tiny-model run) <- dotted `key=value` overrides, validated and resolved: the algorithm's
+    preset filled in where the user set no value (its `key=value` settings appended to
+    `preset_log`, for the start-up log), `auto` values made concrete. A file starts from the
     schema's defaults, never from the embedded default's. `for_gpu`: `auto` settings as a GPU
     node resolves them, on any machine (`rlf-train --plan` on a login node)."""
     try:
@@ -70,29 +97,63 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), f
         if path is not None:
             if not Path(path).is_file():
                 raise ConfigError(f"config file '{path}' does not exist")
-            cfg = OmegaConf.merge(cfg, _load_yaml(path))
+            given = _load_yaml(path)
         else:
-            cfg = OmegaConf.merge(cfg, OmegaConf.load(DEFAULT_CONFIG))
+            given = OmegaConf.load(DEFAULT_CONFIG)
         for item in overrides:
             if "=" not in item:
                 raise ConfigError(f"override '{item}' must look like key=value (e.g. actor.optim.lr=1e-6)")
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+        overridden = OmegaConf.from_dotlist(list(overrides))
+        cfg = OmegaConf.merge(cfg, given, overridden)
     except OmegaConfBaseException as exc:
         raise ConfigError(_explain(exc)) from None
     validate_static(cfg)
-    _resolve_params_dtype(cfg, for_gpu)
+    from rlfactory_megatron.trainer.presets import apply_preset
+
+    applied = apply_preset(cfg, user_set=_leaf_keys(given) | _leaf_keys(overridden))
+    if preset_log is not None:
+        preset_log.extend(applied)
+    _resolve_auto(cfg, for_gpu)
     return cfg
 
 
 def config_from_yaml(text: str) -> RLFConfig:
-    """A whole config as `to_yaml` wrote it (what rlf-train hands each of its ranks), validated."""
+    """A whole config as `to_yaml` wrote it (what rlf-train hands each of its ranks), validated;
+    load_config resolved it, so it is used as it is."""
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(RLFConfig), OmegaConf.create(text))
     except OmegaConfBaseException as exc:
         raise ConfigError(_explain(exc)) from None
     validate_static(cfg)
-    _resolve_params_dtype(cfg)
+    _resolve_auto(cfg)
     return cfg
+
+
+def _leaf_keys(node, prefix: str = "") -> set[str]:
+    """The dotted keys a YAML file or the overrides give a value (what the user set)."""
+    keys = set()
+    for key, value in node.items_ex(resolve=False):  # an interpolation is resolved in the whole tree only
+        if OmegaConf.is_dict(value) and value:
+            keys |= _leaf_keys(value, f"{prefix}{key}.")
+        else:
+            keys.add(f"{prefix}{key}")
+    return keys
+
+
+def _resolve_auto(cfg, for_gpu: bool = False) -> None:
+    """`auto` values made concrete once, so that every rank, the engines and the saved config see
+    the same: the parameters' dtype for the layer spec on this machine, the mode's own weight-sync
+    transport. (`model.layer_spec` and `tools.channel` stay `auto`: each node resolves them for
+    its own devices and network.)"""
+    from rlfactory_megatron.models.builder import resolve_params_dtype
+    from rlfactory_megatron.rollout.modes import ROLLOUT_MODES
+
+    try:
+        cfg.model.params_dtype = resolve_params_dtype(cfg.model.params_dtype, cfg.model.layer_spec, for_gpu)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if cfg.weight_sync.transport == "auto":
+        cfg.weight_sync.transport = ROLLOUT_MODES.get(cfg.rollout.mode).transport
 
 
 def _load_yaml(path: str | Path):
@@ -131,19 +192,16 @@ def validate_static(cfg) -> None:
     if OmegaConf.is_missing(cfg.model, "path"):
         raise ConfigError("model.path is required: a HF model folder (or tiny://qwen3 for a tiny test model); "
                           "a run with --config starts from the schema's defaults, which name no model")
-    for key, allowed in CHOICES.items():
+    for key, allowed in closed_sets(cfg).items():
         value = OmegaConf.select(cfg, key)
         if value not in allowed:
-            raise ConfigError(f"{key}='{value}' is not allowed; choose one of: {', '.join(allowed)}")
-    for key, registry in _registries().items():
-        value = OmegaConf.select(cfg, key)
-        if value not in registry:
-            raise ConfigError(f"{key}='{value}' is not allowed; choose one of: {', '.join(registry)}")
+            refusal, alternative = _REFUSALS.get(key, ("is not allowed", ""))
+            raise ConfigError(f"{key}='{value}' {refusal}; choose one of: {', '.join(allowed)}{alternative}")
     for keys, ok, rule in ((POSITIVE_INTS, lambda v: v >= 1, ">= 1"), (NON_NEGATIVE, lambda v: v >= 0, ">= 0"),
                            (POSITIVE, lambda v: v > 0, "> 0")):
         for key in keys:
             value = OmegaConf.select(cfg, key)
-            if not ok(value):
+            if value is not None and not ok(value):  # null: the setting's own default (e.g. the loss's clips)
                 raise ConfigError(f"{key}={value} must be {rule}")
     _check_ranges(cfg)
     # Checked here, not at the first generate after minutes of set-up and SFT; the trainer's
@@ -152,12 +210,6 @@ def validate_static(cfg) -> None:
         raise ConfigError(f"rollout.temperature={cfg.rollout.temperature} must be >= 0 (0 = greedy)")
     if not 0 < cfg.rollout.top_p <= 1:
         raise ConfigError(f"rollout.top_p={cfg.rollout.top_p} must be in (0, 1]")
-    if not cfg.trainer.data_path:
-        from rlfactory_megatron.trainer.tasks import TASKS
-
-        if cfg.trainer.task not in TASKS:
-            raise ConfigError(f"trainer.task='{cfg.trainer.task}' is not a built-in task; choose one of: "
-                              f"{', '.join(TASKS)} (or give trainer.data_path)")
     _validate_rollout(cfg)
     if cfg.trainer.sft_cache and cfg.trainer.sft_steps == 0:
         raise ConfigError(f"trainer.sft_cache={cfg.trainer.sft_cache} stores warm-starts, and this run has none "
@@ -226,17 +278,6 @@ def _check_memory_keys(cfg) -> None:
                           "(critic.enable=false); set critic.offload=false")
 
 
-def _resolve_params_dtype(cfg, for_gpu: bool = False) -> None:
-    """`model.params_dtype=auto` made concrete for the layer spec on this machine, once, so that
-    the model, the engines and the saved config all see the same dtype."""
-    from rlfactory_megatron.models.builder import resolve_params_dtype
-
-    try:
-        cfg.model.params_dtype = resolve_params_dtype(cfg.model.params_dtype, cfg.model.layer_spec, for_gpu)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-
-
 def _check_ranges(cfg) -> None:
     for section in ("actor", "critic"):
         optim = cfg[section].optim
@@ -245,7 +286,7 @@ def _check_ranges(cfg) -> None:
                 raise ConfigError(f"{section}.optim.{beta}={optim[beta]} must be in [0, 1)")
         if optim.min_lr > optim.lr:
             raise ConfigError(f"{section}.optim.min_lr={optim.min_lr} must not exceed {section}.optim.lr={optim.lr}")
-    if not cfg.actor.clip_ratio_c > 1:
+    if cfg.actor.clip_ratio_c is not None and not cfg.actor.clip_ratio_c > 1:
         raise ConfigError(f"actor.clip_ratio_c={cfg.actor.clip_ratio_c} must be > 1 (dual-clip's lower bound is -c * A)")
     correction = cfg.actor.rollout_correction
     if correction.tis_cap is not None and not correction.tis_cap > 0:
@@ -285,40 +326,19 @@ def _check_rewards_and_tools(cfg) -> None:
         if not Path(path).is_file():
             raise ConfigError(f"tools.config_path='{path}' does not exist; give a YAML file with a 'tools:' list")
         try:
-            check_tool_specs(load_tool_specs(path), f"tools.config_path={path}")
-        except ConfigError:
-            raise
-        except Exception as exc:  # a YAML or schema error of the tools file
+            check_tool_specs(load_tool_specs(path))
+        except Exception as exc:  # the file's YAML or schema, a tool class unknown or given other params
             raise ConfigError(f"tools.config_path={path}: {str(exc).splitlines()[0]}") from None
 
 
-# Which weight-sync transports each rollout mode can use (the first is its `auto`): a colocated
-# engine lives in a training process, so its weights go straight to its loader; disaggregated
-# engines take them through one broadcast group with the sending rank.
-MODE_TRANSPORTS = {"colocated": ("in_process",), "disaggregated": ("broadcast",)}
-
-
-def weight_sync_transport(cfg) -> str:
-    """The transport `weight_sync.transport` names, `auto` resolved for the rollout mode."""
-    name = cfg.weight_sync.transport
-    return MODE_TRANSPORTS[cfg.rollout.mode][0] if name == "auto" else name
-
-
 def _validate_rollout(cfg) -> None:
-    """Engine and transport names from their registries; the transport must suit the mode."""
-    from rlfactory_megatron.rollout import ray_engine  # noqa: F401  (registers the broadcast transport)
-    from rlfactory_megatron.rollout.engines import ROLLOUT_ENGINES
-    from rlfactory_megatron.rollout.weight_sync import TRANSPORTS
+    """The transport must suit the mode; engines for the mode."""
+    from rlfactory_megatron.rollout.modes import ROLLOUT_MODES
 
-    for key, registry, extra in (("rollout.engine", ROLLOUT_ENGINES, ()),
-                                 ("weight_sync.transport", TRANSPORTS, ("auto",))):
-        value = OmegaConf.select(cfg, key)
-        if value not in registry and value not in extra:
-            raise ConfigError(f"{key}='{value}' is not allowed; choose one of: {', '.join([*extra, *registry])}")
-    usable = MODE_TRANSPORTS[cfg.rollout.mode]
-    if weight_sync_transport(cfg) not in usable:
+    usable = ROLLOUT_MODES.get(cfg.rollout.mode).transport
+    if cfg.weight_sync.transport not in ("auto", usable):
         raise ConfigError(f"weight_sync.transport='{cfg.weight_sync.transport}' cannot feed rollout.mode="
-                          f"'{cfg.rollout.mode}' engines; use {' or '.join(('auto', *usable))}")
+                          f"'{cfg.rollout.mode}' engines; use auto or {usable}")
     engines = cfg.rollout.num_engines
     if cfg.rollout.mode == "disaggregated" and engines < 1:
         raise ConfigError(f"rollout.num_engines={engines}: rollout.mode=disaggregated runs that many engines of "

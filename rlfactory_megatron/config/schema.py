@@ -97,9 +97,10 @@ class ActorConfig:
     mini_batch_size: int = 8  # trajectories per optimizer step (a step's rows / this = optimizer steps per epoch)
     max_tokens_per_microbatch: int = 4096  # token budget of one packed micro-batch per DP rank
     policy_loss: str = "ppo"  # a name in rlfactory_megatron.algorithms.POLICY_LOSSES
-    clip_ratio_low: float = 0.2  # PPO ratio clip below 1 (1 - low)
-    clip_ratio_high: float = 0.2  # PPO ratio clip above 1 (1 + high; DAPO clip-higher uses 0.28)
-    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
+    clip_ratio_low: Optional[float] = None  # PPO ratio clip below 1 (1 - low); null: the loss's own (0.2; gspo 3e-4)
+    # PPO ratio clip above 1 (1 + high); null: the loss's own (= low; clip-higher 0.28, gspo 4e-4)
+    clip_ratio_high: Optional[float] = None
+    clip_ratio_c: Optional[float] = None  # dual-clip bound for negative advantages (policy_loss=dual-clip); null: 3.0
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
     entropy_coeff: float = 0.0  # entropy bonus weight
     kl_loss_coef: float = 0.0  # KL-to-reference loss weight (> 0 builds the frozen reference model)

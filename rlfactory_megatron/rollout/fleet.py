@@ -149,7 +149,6 @@ class EngineFleet:
             os.environ.setdefault(key, value)
         import ray
 
-        from rlfactory_megatron.config import weight_sync_transport
         from rlfactory_megatron.rollout.fronts import serving
         from rlfactory_megatron.rollout.engines import build_engine
         from rlfactory_megatron.rollout.router import EngineRouter
@@ -171,7 +170,7 @@ class EngineFleet:
             with _engine_devices(self.layout):
                 self.engine = build_engine(cfg.rollout.engine, self.hf_dir, enable_sleep_mode=torch.cuda.is_available(),
                                            **engine_args)
-            self.transport = TRANSPORTS.get(weight_sync_transport(cfg))(self.engine)
+            self.transport = TRANSPORTS.get(cfg.weight_sync.transport)(self.engine)
             engines = [self.engine]
             if not ray.is_initialized():  # after vLLM: with Ray up, its TP>1 engine would pick Ray's executor
                 ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
@@ -276,10 +275,9 @@ class EngineFleet:
         nodes reach."""
         import ray
 
-        from rlfactory_megatron.config import weight_sync_transport
         from rlfactory_megatron.rollout.weight_sync import TRANSPORTS
 
-        return TRANSPORTS.get(weight_sync_transport(self.cfg))(self.pool, host=ray.util.get_node_ip_address())
+        return TRANSPORTS.get(self.cfg.weight_sync.transport)(self.pool, host=ray.util.get_node_ip_address())
 
     def _check_pool_alive(self) -> None:
         """Engines that died between steps (no request saw it) count as failed, so the sync does

@@ -193,7 +193,7 @@ class RolloutGenerator:
     async def _generate(self, pending: PendingRollout):
         """This process's rows of a phase: (trajectories + text, summaries, engine stats, token
         versions, the judge's model scores)."""
-        from rlfactory_megatron.envs.agent_loop import AgentLoopConfig, TurnBarrier, run_agent_loop
+        from rlfactory_megatron.envs.agent_loop import TURN_SCHEDULES, AgentLoopConfig, run_agent_loop
 
         records, step, greedy, first_row = pending.records, pending.step, pending.greedy, pending.first_row
         n = self.samples_per_prompt(greedy)
@@ -214,7 +214,7 @@ class RolloutGenerator:
         sessions = {row: router.session() for row in mine}  # each trajectory stays on one engine
         fronts = router.fronts
         busy_before = [front.busy_s for front in fronts]
-        barrier = TurnBarrier(len(mine)) if cfg.tools.turn_schedule == "lockstep" else None
+        barrier = TURN_SCHEDULES.get(cfg.tools.turn_schedule)(len(mine))
         judging: dict[int, asyncio.Future] = {}  # placement own: each trajectory judged as soon as it ends
 
         async def trajectory(row: int):

@@ -15,8 +15,8 @@ class AlgorithmPreset:
     policy_loss: str
     use_critic: bool = False
     drop_uniform_groups: bool = False  # DAPO dynamic sampling: all-equal-reward groups teach nothing
-    # Settings the algorithm implies; applied only where the config leaves a key at its schema
-    # default, so anything the user sets wins.
+    # Settings the algorithm implies; applied at load where the user set no value, so anything
+    # the user sets wins.
     implied: tuple[tuple[str, Any], ...] = ()
 
 
@@ -32,27 +32,23 @@ ALGORITHM_PRESETS.register("reinforce_pp", AlgorithmPreset("reinforce++", "ppo")
 ALGORITHM_PRESETS.register("rloo", AlgorithmPreset("rloo", "ppo"))
 
 
-def apply_preset(cfg) -> tuple[AlgorithmPreset, list[str]]:
-    """The preset of `cfg.trainer.algorithm`, with its policy loss and implied settings written
-    into `cfg` where the user left the key at its schema default (so
-    `trainer.algorithm=grpo actor.policy_loss=dual-clip` trains with dual-clip); returns the
-    `key=value` strings it applied (for the start-up log)."""
-    from rlfactory_megatron.config.schema import RLFConfig
-
+def apply_preset(cfg, user_set: set[str]) -> list[str]:
+    """The preset of `cfg.trainer.algorithm` written into `cfg` (at load, once): its policy loss and
+    implied settings where the user set no value (`user_set`: the dotted keys the config file or
+    the overrides gave), so `trainer.algorithm=grpo actor.policy_loss=dual-clip` trains with
+    dual-clip. Returns the `key=value` strings it applied (for the start-up log)."""
     preset = ALGORITHM_PRESETS.get(cfg.trainer.algorithm)
-    schema = OmegaConf.structured(RLFConfig)
     applied = []
     with open_dict(cfg):
         for key, value in (("actor.policy_loss", preset.policy_loss), *preset.implied):
-            current = OmegaConf.select(cfg, key)
-            if current == OmegaConf.select(schema, key) and current != value:
+            if key not in user_set and OmegaConf.select(cfg, key) != value:
                 OmegaConf.update(cfg, key, value)
                 applied.append(f"{key}={value}")
         if cfg.reward.manager == "dapo" and not cfg.reward.manager_options:
             budget = cfg.rollout.max_response_tokens
             cfg.reward.manager_options = {"max_response_length": budget, "overlong_buffer_len": max(1, budget // 4)}
             applied.append(f"reward.manager_options={dict(cfg.reward.manager_options)}")
-    return preset, applied
+    return applied
 
 
 def trains_critic(cfg) -> bool:

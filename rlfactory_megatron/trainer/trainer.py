@@ -30,7 +30,7 @@ from rlfactory_megatron.runtime.collectives import RankCollectives
 from rlfactory_megatron.runtime.stop import StopRequest
 from rlfactory_megatron.trainer.data import PromptSampler, run_records
 from rlfactory_megatron.trainer.logger import MetricsLogger, wandb_settings
-from rlfactory_megatron.trainer.presets import apply_preset, trains_critic
+from rlfactory_megatron.trainer.presets import ALGORITHM_PRESETS, trains_critic
 from rlfactory_megatron.trainer.checkpoint import checkpoint_dir, load_checkpoint, resume_directory, save_checkpoint
 from rlfactory_megatron.trainer.sft import demonstration_rows, sft_warm_start
 from rlfactory_megatron.trainer.tasks import run_tool_specs
@@ -48,13 +48,11 @@ class Trainer:
 
         self.cfg = cfg
         self.hf_dir = str(hf_dir)
-        self.preset, implied = apply_preset(cfg)
+        self.preset = ALGORITHM_PRESETS.get(cfg.trainer.algorithm)  # applied to cfg at load
         self.arch = load_arch(hf_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(hf_dir)
         self.output = Path(cfg.trainer.output_dir)
         self.is_leader = dist.get_rank() == 0
-        if implied and self.is_leader:
-            print(f"rlf-train: {cfg.trainer.algorithm} implies {', '.join(implied)}")
         build = BuildOptions(params_dtype=cfg.model.params_dtype, layer_spec=cfg.model.layer_spec,
                              recompute_activations=cfg.model.recompute_activations,
                              sequence_parallel=cfg.parallel.sequence_parallel, moe=MoEOptions(**cfg.model.moe))

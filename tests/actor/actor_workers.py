@@ -4,27 +4,11 @@ from __future__ import annotations
 import torch
 
 from rlfactory_megatron.actor.actor import Actor, Critic
-from rlfactory_megatron.actor.batch import RolloutBatch
 from rlfactory_megatron.config import load_config
 from rlfactory_megatron.models.builder import BuildOptions, MoEOptions
 from rlfactory_megatron.models.hf_arch import load_arch
 from rlfactory_megatron.runtime.distributed import ParallelSizes, destroy_distributed, init_distributed
-
-
-def make_batch(vocab: int, seed: int = 0, batch_size: int = 6) -> RolloutBatch:
-    """Prompt (no loss) + response with a tool-observation span in the middle (no loss)."""
-    gen = torch.Generator().manual_seed(seed)
-    lengths = torch.tensor([10 + 3 * i for i in range(batch_size)])
-    width = int(lengths.max())
-    input_ids = torch.randint(0, vocab, (batch_size, width), generator=gen)
-    loss_mask = torch.zeros(batch_size, width)
-    for row, n in enumerate(lengths.tolist()):
-        prompt = 4
-        loss_mask[row, prompt:n] = 1
-        loss_mask[row, prompt + 2 : prompt + 4] = 0  # observation tokens
-    return RolloutBatch(input_ids=input_ids, lengths=lengths, loss_mask=loss_mask,
-                        group_ids=torch.arange(batch_size) // 2,
-                        advantages=torch.randn(batch_size, width, generator=gen))
+from toy_rows import random_batch, toy_batch
 
 
 def actor_config(**overrides):
@@ -46,7 +30,7 @@ def update_worker(hf_dir: str, tp: int, pp: int, overrides: dict, perturb_masked
         arch = load_arch(hf_dir)
         build = BuildOptions(layer_spec=layer_spec, moe=MoEOptions(**cfg.model.moe))
         actor = Actor(cfg.actor, arch, hf_dir, build, total_steps=10)
-        batch = make_batch(arch.vocab_size)
+        batch = random_batch(arch.vocab_size)
         old = actor.compute_log_probs(batch, with_entropy=True)
         batch = batch.with_fields(old_log_probs=old["log_probs"] - 0.05, ref_log_probs=old["log_probs"] + 0.1)
         if perturb_masked:
@@ -84,7 +68,7 @@ def on_policy_worker(hf_dir: str, tp: int, pp: int, mini_batch_size: int) -> dic
         out = {}
         for name in ("separate_pass", "own_forward"):
             actor = Actor(cfg.actor, arch, hf_dir, BuildOptions(), total_steps=10)
-            batch = make_batch(arch.vocab_size)
+            batch = random_batch(arch.vocab_size)
             if name == "separate_pass":
                 old = actor.compute_log_probs(batch, with_entropy=True)
                 batch = batch.with_fields(old_log_probs=old["log_probs"])
@@ -114,7 +98,7 @@ def _corrected_updates(cfg, arch, hf_dir: str) -> dict:
     out = {}
     for name in ("tis_before_update", "tis_in_update"):
         actor = Actor(cfg.actor, arch, hf_dir, BuildOptions(), total_steps=10)
-        batch = make_batch(arch.vocab_size)
+        batch = random_batch(arch.vocab_size)
         old = actor.compute_log_probs(batch)["log_probs"]
         shift = 0.4 * torch.sin(torch.arange(old.numel(), dtype=torch.float32)).reshape(old.shape)
         engine = (old + shift) * batch.loss_mask  # an engine whose policy is not quite the trainer's
@@ -134,7 +118,7 @@ def sft_worker(hf_dir: str, temperature: float) -> dict:
         cfg = actor_config()
         arch = load_arch(hf_dir)
         actor = Actor(cfg.actor, arch, hf_dir, BuildOptions(), total_steps=10, temperature=temperature)
-        batch = make_batch(arch.vocab_size)
+        batch = random_batch(arch.vocab_size)
         mask = batch.loss_mask > 0
         actor.temperature = 1.0
         nll_t1 = -float(actor.compute_log_probs(batch)["log_probs"][mask].mean())
@@ -153,7 +137,7 @@ def critic_worker(hf_dir: str, tp: int, pp: int, sequence_parallel: bool = False
         arch = load_arch(hf_dir)
         critic = Critic(cfg.critic, cfg.actor, arch, hf_dir, BuildOptions(sequence_parallel=sequence_parallel),
                         total_steps=10)
-        batch = make_batch(arch.vocab_size)
+        batch = random_batch(arch.vocab_size)
         values = critic.compute_values(batch)
         returns = torch.randn(batch.input_ids.shape, generator=torch.Generator().manual_seed(3))
         batch = batch.with_fields(values=values, returns=returns)
@@ -174,7 +158,7 @@ def non_finite_worker(hf_dir: str, tp: int, pp: int, poison: str) -> dict:
         cfg = actor_config(**{"actor.kl_loss_coef": 0.0})
         arch = load_arch(hf_dir)
         actor = Actor(cfg.actor, arch, hf_dir, BuildOptions(), total_steps=10)
-        batch = make_batch(arch.vocab_size)
+        batch = random_batch(arch.vocab_size)
         batch = batch.with_fields(old_log_probs=actor.compute_log_probs(batch)["log_probs"])
         field = {"advantage": "advantages", "old_log_prob": "old_log_probs"}[poison]
         bad = getattr(batch, field).clone()
@@ -215,7 +199,7 @@ def dp_local_update_worker(hf_dir: str, mini_batch_size: int) -> dict:
         cfg = actor_config(**{"actor.mini_batch_size": mini_batch_size})
         arch = load_arch(hf_dir)
         actor = Actor(cfg.actor, arch, hf_dir, BuildOptions(), total_steps=10)
-        full = make_batch(arch.vocab_size)
+        full = random_batch(arch.vocab_size)
         owners = dp_row_owners(full.lengths.tolist(), mini_batch_size, parallel_state.get_data_parallel_world_size())
         mine = [row for row, owner in enumerate(owners) if owner == parallel_state.get_data_parallel_rank()]
         batch = full.with_fields(step_rows=torch.arange(full.batch_size), step_size=full.batch_size).select(mine)
@@ -247,7 +231,7 @@ def offload_worker(hf_dir: str, tp: int, pp: int, dtype: str, distributed_optimi
                               "critic.optim.use_distributed_optimizer": distributed_optimizer, "critic.optim.lr": 1e-4})
         arch = load_arch(hf_dir)
         build = BuildOptions(params_dtype=dtype)
-        batch = make_batch(arch.vocab_size)
+        batch = random_batch(arch.vocab_size)
         returns = torch.randn(batch.input_ids.shape, generator=torch.Generator().manual_seed(3))
 
         def build_model(name):
@@ -319,10 +303,9 @@ def saved_activations_worker(hf_dir: str, tokens: int, cp: int = 1) -> dict:
         arch = load_arch(hf_dir)
         actor = Actor(cfg.actor, arch, hf_dir, BuildOptions(), total_steps=4)
         gen = torch.Generator().manual_seed(0)
-        mask = torch.ones(2, tokens // 2)
-        mask[:, :4] = 0
-        batch = RolloutBatch(torch.randint(0, arch.vocab_size, (2, tokens // 2), generator=gen),
-                             torch.full((2,), tokens // 2), mask, advantages=torch.randn(2, tokens // 2, generator=gen))
+        ids = torch.randint(0, arch.vocab_size, (2, tokens // 2), generator=gen).tolist()
+        batch = toy_batch([row[:4] for row in ids], [row[4:] for row in ids])
+        batch = batch.with_fields(advantages=torch.randn(2, tokens // 2, generator=gen))
         batch = batch.with_fields(old_log_probs=actor.compute_log_probs(batch)["log_probs"])
         params = {p.untyped_storage().data_ptr() for module in actor.megatron.modules() for p in module.parameters()}
         saved: dict[int, int] = {}
@@ -343,7 +326,7 @@ def saved_activations_worker(hf_dir: str, tokens: int, cp: int = 1) -> dict:
 
 
 def context_parallel_worker(hf_dir: str, tp: int, cp: int, distributed_optimizer: bool) -> dict:
-    """On make_batch's packed multi-turn rows (tool tokens masked): the logits of every trained
+    """On random_batch's packed multi-turn rows (tool tokens masked): the logits of every trained
     token, the actor's gradients of one PPO update (KL and entropy terms, a sequence-level
     aggregation), the critic's values and the gradients of its update, as this rank's TP shard.
     With the distributed optimizer a rank's main_grad is whole only in its own shard."""
@@ -355,7 +338,7 @@ def context_parallel_worker(hf_dir: str, tp: int, cp: int, distributed_optimizer
                               "actor.optim.use_distributed_optimizer": distributed_optimizer,
                               "critic.optim.use_distributed_optimizer": distributed_optimizer})
         arch = load_arch(hf_dir)
-        batch = make_batch(arch.vocab_size)
+        batch = random_batch(arch.vocab_size)
         # Vocab-parallel logits of every position, as the model's last stage returns them (no fused log-prob).
         policy = PolicyModel(arch, hf_dir, BuildOptions(), cfg.actor.max_tokens_per_microbatch, fused_logprob=False)
         logits = torch.zeros(*batch.input_ids.shape, arch.padded_vocab_size(tp) // tp)
@@ -397,7 +380,7 @@ def loss_scale_worker(hf_dir: str) -> dict:
         out = {}
         for dtype in ("float32", "float16"):
             actor = Actor(cfg.actor, arch, hf_dir, BuildOptions(params_dtype=dtype), total_steps=10)
-            batch = make_batch(arch.vocab_size)
+            batch = random_batch(arch.vocab_size)
             before = {k: v.float() for k, v in actor.megatron.iter_hf_weights()}
             old = actor.compute_log_probs(batch)["log_probs"]
             metrics = actor.update(batch.with_fields(old_log_probs=old - 0.05))
@@ -419,7 +402,7 @@ def recompute_worker(hf_dir: str) -> dict:
         out = {}
         for recompute in (False, True):
             actor = Actor(cfg.actor, arch, hf_dir, BuildOptions(recompute_activations=recompute), total_steps=10)
-            batch = make_batch(arch.vocab_size)
+            batch = random_batch(arch.vocab_size)
             old = actor.compute_log_probs(batch)["log_probs"]
             metrics = actor.update(batch.with_fields(old_log_probs=old - 0.05))
             out[recompute] = {"grad_norm": metrics["actor/grad_norm"], "pg_loss": metrics["actor/pg_loss"],
@@ -445,7 +428,7 @@ def routing_replay_worker(hf_dir: str, pp: int, recompute: bool, mini_batch_size
         out = {}
         for name in ("recorded", "shifted"):
             actor = Actor(cfg.actor, arch, hf_dir, build, total_steps=10)
-            batch = make_batch(arch.vocab_size)
+            batch = random_batch(arch.vocab_size)
             old = actor.compute_log_probs(batch)
             routes = old["routes"]
             if name == "shifted":

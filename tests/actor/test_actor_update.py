@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import actor_workers
+from toy_rows import random_batch
 
 from rlfactory_megatron.runtime.distributed import spawn_local_workers
 
@@ -227,7 +228,7 @@ def test_packed_log_probs_and_entropy_equal_transformers_per_sequence(reference,
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_hf_dirs["qwen3"], dtype=torch.float32)
-    batch = actor_workers.make_batch(model.config.vocab_size)
+    batch = random_batch(model.config.vocab_size)
     for row, n in enumerate(batch.lengths.tolist()):
         with torch.no_grad():
             logits = model(batch.input_ids[row : row + 1, :n]).logits[0, :-1]
@@ -244,7 +245,7 @@ def test_packed_log_probs_and_entropy_equal_transformers_per_sequence(reference,
 def test_critic_values_and_update(tiny_hf_dirs, tp, pp):
     results = spawn_local_workers(actor_workers.critic_worker, tp * pp, tiny_hf_dirs["llama"], tp, pp)
     first = results[0]
-    mask = actor_workers.make_batch(500).loss_mask > 0
+    mask = random_batch(500).loss_mask > 0
     assert torch.all(first["values"][~mask] == 0) and first["values"][mask].abs().sum() > 0
     assert first["metrics"]["critic/vf_loss"] > 0
     # the update moves values toward the returns

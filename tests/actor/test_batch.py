@@ -4,12 +4,11 @@ import torch
 
 from rlfactory_megatron.actor.batch import RolloutBatch, plan_micro_batches
 from rlfactory_megatron.models.context_parallel import ContextSplit, split_positions
+from toy_rows import toy_batch
 
 
 def make_batch():
-    lengths = torch.tensor([5, 3, 4])
-    ids = torch.arange(1, 16).reshape(3, 5)
-    return RolloutBatch(ids, lengths, torch.ones(3, 5))
+    return toy_batch([[], [], []], [[1, 2, 3, 4, 5], [6, 7, 8], [11, 12, 13, 14]])
 
 
 def test_packed_rows_targets_and_block_mask():

@@ -205,6 +205,38 @@ def test_engine_transport_and_mode_come_from_their_registries(override, message)
         load_config(overrides=override.split())
 
 
+def test_every_closed_set_key_is_checked_from_one_table():
+    """One table drives every closed-set check: each key in it refuses a value outside its names
+    (registries included), and the refusal lists them."""
+    from rlfactory_megatron.config import closed_sets
+
+    table = closed_sets(load_config())
+    assert {"rollout.mode", "tools.turn_schedule", "trainer.task", "weight_sync.transport"} <= set(table)
+    for key, names in table.items():
+        with pytest.raises(ConfigError, match=f"{key}='no-such-name' is (not allowed|not a built-in task); "
+                                              f"choose one of: {', '.join(names)}"):
+            load_config(overrides=[f"{key}=no-such-name"])
+
+
+@pytest.mark.parametrize("mode,transport", [("colocated", "in_process"), ("disaggregated", "broadcast")])
+def test_auto_transport_is_resolved_at_load_from_the_mode(mode, transport):
+    from rlfactory_megatron.config import config_from_yaml, to_yaml
+
+    cfg = load_config(overrides=[f"rollout.mode={mode}", "rollout.num_engines=1"])
+    assert cfg.weight_sync.transport == transport  # what every rank and the saved config see
+    assert config_from_yaml(to_yaml(cfg)).weight_sync.transport == transport
+
+
+def test_a_tools_file_error_names_its_key_once(tmp_path):
+    tools = tmp_path / "tools.yaml"
+    tools.write_text("tools:\n  - class: calculatorr\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=[f"tools.config_path={tools}"])
+    message = str(err.value)
+    assert message.startswith(f"tools.config_path={tools}: tools[0]: unknown tool class 'calculatorr'")
+    assert message.count("tools.config_path") == 1
+
+
 def test_wandb_without_wandb_installed_is_refused_at_load(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "wandb", None)  # `import wandb` raises ImportError
     with pytest.raises(ConfigError, match=r"logging.wandb_project='x' needs wandb, which is not installed: "

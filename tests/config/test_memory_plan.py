@@ -17,7 +17,6 @@ from test_config import REAL_SHAPES
 from rlfactory_megatron.config import ConfigError, load_config
 from rlfactory_megatron.models.hf_arch import arch_from_hf_config
 from rlfactory_megatron.trainer.memory_plan import GIB, memory_plan
-from rlfactory_megatron.trainer.presets import apply_preset
 
 ROOT = Path(__file__).parents[2]
 EXAMPLES = ROOT / "rlfactory_megatron" / "config" / "examples"
@@ -37,9 +36,7 @@ def test_parameter_counts_are_the_models_published_ones():
 
 @functools.cache
 def _example(name: str):
-    cfg = load_config(EXAMPLES / name)
-    apply_preset(cfg)
-    return cfg
+    return load_config(EXAMPLES / name)
 
 
 def _plan(name: str, model: str, world: int, *overrides: str):

@@ -6,12 +6,12 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from console_scripts import BIN
+
 ROOT = Path(__file__).parents[2]
-BIN = Path(sys.executable).parent
 _FENCE = re.compile(r"^```bash cpu(?:=(?P<tag>[\w-]+))?\n(?P<body>.*?)^```$", re.S | re.M)
 
 

@@ -3,8 +3,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from rlfactory_megatron.models.hf_checkpoint import iter_safetensors
 
-BIN = Path(sys.executable).parent
+from console_scripts import BIN
 
 
 def run_cli(*args, launcher=()):

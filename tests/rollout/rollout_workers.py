@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 
 from rlfactory_megatron.actor.actor import Actor, PolicyModel
-from rlfactory_megatron.actor.batch import RolloutBatch
 from rlfactory_megatron.config import load_config
 from rlfactory_megatron.models.builder import BuildOptions
 from rlfactory_megatron.models.hf_arch import load_arch
@@ -17,25 +16,9 @@ from rlfactory_megatron.rollout.engines import Generation, SamplingConfig, VLLME
 from rlfactory_megatron.rollout.weight_sync import InProcessTransport, WeightSyncError, sync_weights
 from rlfactory_megatron.runtime.distributed import ParallelSizes, destroy_distributed, init_distributed
 from rlfactory_megatron.rollout.fleet import EngineFleet
+from toy_rows import engine_batch
 
 PROMPTS = [[5, 17, 42, 7], [100, 3, 9, 250, 11, 12], [61, 62], [300, 301, 302]]
-
-
-def batch_from_generations(prompts, generations, width_pad: int = 0) -> tuple[RolloutBatch, torch.Tensor]:
-    """Rows = prompt + sampled response; also returns the engine's log-probs aligned to tokens."""
-    rows = [(p, g) for p, gens in zip(prompts, generations) for g in gens]
-    width = max(len(p) + len(g.token_ids) for p, g in rows) + width_pad
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width)
-    engine_lp = torch.zeros(len(rows), width)
-    lengths = []
-    for i, (p, g) in enumerate(rows):
-        seq = p + g.token_ids
-        ids[i, : len(seq)] = torch.tensor(seq)
-        mask[i, len(p) : len(seq)] = 1
-        engine_lp[i, len(p) : len(seq)] = torch.tensor(g.log_probs)
-        lengths.append(len(seq))
-    return RolloutBatch(ids, torch.tensor(lengths), mask), engine_lp
 
 
 def _generate_on_leader(engine, sampling):
@@ -118,7 +101,7 @@ def sync_worker(hf_dir: str, tp: int, pp: int, bucket_mb: float, steps: int = 1,
         report = {"max_diff": [], "mean_engine_lp": [], "sync": []}
         for step in range(steps + 1):
             if step > 0:  # an optimizer step, then a re-sync
-                batch, engine_lp = batch_from_generations(PROMPTS, generations)
+                batch, engine_lp = engine_batch(PROMPTS, generations)
                 batch = batch.with_fields(old_log_probs=engine_lp, advantages=torch.randn(batch.input_ids.shape))
                 actor.update(batch)
                 if break_sync and engine is not None:
@@ -143,7 +126,7 @@ def sync_worker(hf_dir: str, tp: int, pp: int, bucket_mb: float, steps: int = 1,
                                            "max_bucket_bytes": stats.max_bucket_bytes,
                                            "message_bytes": stats.message_bytes})
             generations = _generate_on_leader(engine, sampling)
-            batch, engine_lp = batch_from_generations(PROMPTS, generations)
+            batch, engine_lp = engine_batch(PROMPTS, generations)
             actor_lp = actor.compute_log_probs(batch)["log_probs"]
             mask = batch.loss_mask > 0
             report["max_diff"].append((actor_lp - engine_lp)[mask].abs().max().item())
@@ -254,7 +237,7 @@ def sync_mid_decode_worker(hf_dir: str) -> dict:
         engine = VLLMEngine(hf_dir, max_model_len=128, max_num_seqs=8)
         transport = InProcessTransport(engine)
         generations = engine.generate(PROMPTS, SamplingConfig(n=2, max_tokens=12, seed=11))
-        batch, engine_lp = batch_from_generations(PROMPTS, generations)
+        batch, engine_lp = engine_batch(PROMPTS, generations)
         actor.update(batch.with_fields(old_log_probs=engine_lp, advantages=torch.randn(batch.input_ids.shape)))
 
         async def generate_across_the_update():
@@ -274,7 +257,7 @@ def sync_mid_decode_worker(hf_dir: str) -> dict:
                 await router.fronts[0].close()
 
         ids, log_probs, calls, cut_before_done = asyncio.run(generate_across_the_update())
-        batch, engine_lp = batch_from_generations([PROMPTS[1]], [[Generation(ids, log_probs)]])
+        batch, engine_lp = engine_batch([PROMPTS[1]], [[Generation(ids, log_probs)]])
         start = len(PROMPTS[1])
         before = calls[0][2]
         gaps = {}
@@ -304,14 +287,14 @@ def moe_sync_worker(hf_dir: str, ep: int, fresh_dir: str) -> dict:
         sampling = SamplingConfig(n=2, max_tokens=12, seed=11)
         seeds = list(range(len(PROMPTS)))
         generations = _generate_on_leader(engine, sampling)
-        batch, engine_lp = batch_from_generations(PROMPTS, generations)
+        batch, engine_lp = engine_batch(PROMPTS, generations)
         actor.update(batch.with_fields(old_log_probs=engine_lp, advantages=torch.randn(batch.input_ids.shape)))
         stats = sync_weights(actor.megatron, transport, 0.1)
         write_hf_folder(actor.megatron.iter_hf_weights(), fresh_dir, hf_dir, arch.hf_config, writer=dist.get_rank() == 0)
         synced = [engine.generate(PROMPTS, sampling, seeds) if engine is not None else None]
         if dist.get_world_size() > 1:
             dist.broadcast_object_list(synced, src=0)
-        batch, synced_lp = batch_from_generations(PROMPTS, synced[0])
+        batch, synced_lp = engine_batch(PROMPTS, synced[0])
         actor_lp = actor.compute_log_probs(batch)["log_probs"]
         report = {"rank": dist.get_rank(), "synced": synced[0],
                   "actor_gap": (actor_lp - synced_lp)[batch.loss_mask > 0].abs().max().item()}
@@ -339,7 +322,7 @@ def engine_routes_worker(hf_dir: str) -> dict:
         actor = Actor(cfg.actor, arch, hf_dir, BuildOptions(moe=MoEOptions(**cfg.model.moe)), total_steps=10)
         engine = VLLMEngine(hf_dir, max_model_len=128, max_num_seqs=8, record_routes=True)
         generations = engine.generate(PROMPTS, SamplingConfig(n=2, max_tokens=12, seed=11))
-        batch, engine_lp = batch_from_generations(PROMPTS, generations)
+        batch, engine_lp = engine_batch(PROMPTS, generations)
         samples = [g for gens in generations for g in gens]
         # aligned like the log-probs: at token t the routes of position t - 1, which predicts it
         routes = torch.full((*batch.input_ids.shape, arch.num_layers, arch.moe.top_k), NO_ROUTE,

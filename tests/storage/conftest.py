@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from console_scripts import BIN
+
 HERE = Path(__file__).parent
-BIN = Path(sys.executable).parent
 _LAUNCHER_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMI_RANK", "PMIX_SIZE",
                   "SLURM_STEP_NUM_TASKS", "MASTER_ADDR", "MASTER_PORT")
 

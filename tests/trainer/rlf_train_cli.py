@@ -3,11 +3,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-BIN = Path(sys.executable).parent
+from console_scripts import BIN
+
 SMALL = ["trainer.prompts_per_step=2", "rollout.n=2", "rollout.max_response_tokens=48", "trainer.val_every=2",
          "trainer.val_prompts=2", "trainer.save_every=2", "trainer.sft_steps=2", "trainer.sft_batch_size=4",
          "tools.num_workers=1"]

@@ -2,12 +2,10 @@
 import json
 import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-BIN = Path(sys.executable).parent
+from console_scripts import BIN
 
 
 @pytest.mark.slow  # starts vLLM, Ray and a megatron actor; still part of the normal suite
