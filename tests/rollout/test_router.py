@@ -28,7 +28,7 @@ def test_turns_stay_on_one_engine_and_a_slow_engine_gets_fewer_trajectories():
         session = router.session()
         for _ in range(3):  # three turns
             await session.generate([index], SamplingConfig())
-        return session.engine
+        return session.engine_index
 
     async def step():
         return await asyncio.gather(*(trajectory(i) for i in range(40)))
@@ -47,7 +47,7 @@ def test_concurrent_first_turns_spread_over_idle_engines():
     async def step():
         sessions = [router.session() for _ in range(6)]
         await asyncio.gather(*(s.generate([i], SamplingConfig()) for i, s in enumerate(sessions)))
-        return [s.engine for s in sessions]
+        return [s.engine_index for s in sessions]
 
     assert sorted(asyncio.run(step())) == [0, 0, 1, 1, 2, 2]
 
