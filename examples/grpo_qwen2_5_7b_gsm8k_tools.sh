@@ -7,8 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:-/models/Qwen2.5-7B-Instruct}
 DATA=${DATA:-$HOME/data/gsm8k}
-[ -f "$DATA/train.parquet" ] && [ -f "$DATA/test.parquet" ] ||
-  .venv/bin/python examples/data_preprocess/gsm8k.py ${GSM8K_SOURCE:+--source "$GSM8K_SOURCE"} --out "$DATA"
+.venv/bin/python examples/data_preprocess/gsm8k.py ${GSM8K_SOURCE:+--source "$GSM8K_SOURCE"} --out "$DATA"
 exec .venv/bin/torchrun --standalone --nproc-per-node="${GPUS:-8}" -m rlfactory_megatron.cli.train \
   --config rlfactory_megatron/config/examples/qwen2_5_7b_grpo_8gpu.yaml \
   model.path="$MODEL" trainer.data_path="$DATA/train.parquet" trainer.val_data_path="$DATA/test.parquet" "$@"

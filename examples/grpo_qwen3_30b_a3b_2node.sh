@@ -17,8 +17,7 @@ set -euo pipefail
 cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"
 MODEL=${MODEL:-/models/Qwen3-30B-A3B}
 DATA=${DATA:-$HOME/data/gsm8k}
-[ -f "$DATA/train.parquet" ] && [ -f "$DATA/test.parquet" ] ||
-  .venv/bin/python examples/data_preprocess/gsm8k.py ${GSM8K_SOURCE:+--source "$GSM8K_SOURCE"} --out "$DATA"
+.venv/bin/python examples/data_preprocess/gsm8k.py ${GSM8K_SOURCE:+--source "$GSM8K_SOURCE"} --out "$DATA"
 args=(--config rlfactory_megatron/config/examples/qwen3_30b_a3b_grpo_2node.yaml model.path="$MODEL"
       trainer.data_path="$DATA/train.parquet" trainer.val_data_path="$DATA/test.parquet")
 exec scripts/launch_example_nodes.sh "$0" "${args[@]}" -- "$@"

@@ -15,8 +15,7 @@ set -euo pipefail
 cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"
 MODEL=${MODEL:-/models/Qwen3-8B}
 DATA=${DATA:-$HOME/data/math}
-[ -f "$DATA/train.parquet" ] && [ -f "$DATA/test.parquet" ] ||
-  .venv/bin/python examples/data_preprocess/math_dataset.py ${MATH_SOURCE:+--source "$MATH_SOURCE"} --out "$DATA"
+.venv/bin/python examples/data_preprocess/math_dataset.py ${MATH_SOURCE:+--source "$MATH_SOURCE"} --out "$DATA"
 args=(--config rlfactory_megatron/config/examples/qwen3_8b_grpo_2node.yaml model.path="$MODEL"
       trainer.data_path="$DATA/train.parquet" trainer.val_data_path="$DATA/test.parquet")
 exec scripts/launch_example_nodes.sh "$0" "${args[@]}" -- "$@"

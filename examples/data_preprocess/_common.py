@@ -1,8 +1,32 @@
 """What the preprocessing scripts share: reading a dataset's splits, writing our parquet layout."""
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
+from typing import Callable
+
+SPLITS = ("train", "test")
+
+
+def preprocess(argv: list[str] | None, description: str, dataset: str, default_source: str, config: str | None,
+               to_row: Callable[[dict, str, int], dict]) -> int:
+    """A preprocessing script's command: `--source` (hub name or local folder) into `--out`'s
+    train.parquet and test.parquet, one `to_row` per example. A folder that already holds both is
+    kept (`--force` writes them again): the examples call this before every run."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--source", default=default_source, help="hub name or local folder (default: %(default)s)")
+    parser.add_argument("--out", required=True, help="folder for train.parquet and test.parquet")
+    parser.add_argument("--force", action="store_true", help="write the splits even if the folder holds them")
+    args = parser.parse_args(argv)
+    out = Path(args.out).expanduser()
+    if not args.force and all((out / f"{split}.parquet").is_file() for split in SPLITS):
+        print(f"{dataset}: {out} already holds {' and '.join(SPLITS)}: kept (--force writes them again)")
+        return 0
+    for split, examples in load_splits(args.source, name=config, splits=SPLITS).items():
+        path = write_split([to_row(e, split, i) for i, e in enumerate(examples)], out, split)
+        print(f"{dataset}: {len(examples)} {split} rows -> {path}")
+    return 0
 
 
 def load_splits(source: str, name: str | None, splits: tuple[str, ...]) -> dict[str, list[dict]]:

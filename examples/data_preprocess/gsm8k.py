@@ -10,11 +10,9 @@ question, the reference answer).
 """
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
-from _common import load_splits, write_split
+from _common import preprocess
 
 DATA_SOURCE = "openai/gsm8k"
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
@@ -38,14 +36,7 @@ def to_row(example: dict, split: str, index: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--source", default=DATA_SOURCE, help="hub name or local folder (default: %(default)s)")
-    parser.add_argument("--out", required=True, help="folder for train.parquet and test.parquet")
-    args = parser.parse_args(argv)
-    for split, examples in load_splits(args.source, name="main", splits=("train", "test")).items():
-        path = write_split([to_row(e, split, i) for i, e in enumerate(examples)], Path(args.out), split)
-        print(f"gsm8k: {len(examples)} {split} rows -> {path}")
-    return 0
+    return preprocess(argv, __doc__, "gsm8k", DATA_SOURCE, "main", to_row)
 
 
 if __name__ == "__main__":

@@ -11,11 +11,9 @@ the `math` scorer when `reward.scorer` is null) and `extra_info` (split, index, 
 """
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
-from _common import load_splits, write_split
+from _common import preprocess
 
 from rlfactory_megatron.rewards.scorers.math import last_boxed
 
@@ -38,14 +36,7 @@ def to_row(example: dict, split: str, index: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--source", default=DATA_SOURCE, help="hub name or local folder (default: %(default)s)")
-    parser.add_argument("--out", required=True, help="folder for train.parquet and test.parquet")
-    args = parser.parse_args(argv)
-    for split, examples in load_splits(args.source, name=None, splits=("train", "test")).items():
-        path = write_split([to_row(e, split, i) for i, e in enumerate(examples)], Path(args.out), split)
-        print(f"math: {len(examples)} {split} rows -> {path}")
-    return 0
+    return preprocess(argv, __doc__, "math", DATA_SOURCE, None, to_row)
 
 
 if __name__ == "__main__":

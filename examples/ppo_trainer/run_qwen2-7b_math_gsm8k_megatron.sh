@@ -8,10 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 MODEL=${MODEL:-/models/Qwen2-7B-Instruct}
 DATA=${DATA:-$HOME/data}
-[ -f "$DATA/gsm8k/train.parquet" ] && [ -f "$DATA/gsm8k/test.parquet" ] ||
-  .venv/bin/python examples/data_preprocess/gsm8k.py ${GSM8K_SOURCE:+--source "$GSM8K_SOURCE"} --out "$DATA/gsm8k"
-[ -f "$DATA/math/train.parquet" ] && [ -f "$DATA/math/test.parquet" ] ||
-  .venv/bin/python examples/data_preprocess/math_dataset.py ${MATH_SOURCE:+--source "$MATH_SOURCE"} --out "$DATA/math"
+.venv/bin/python examples/data_preprocess/gsm8k.py ${GSM8K_SOURCE:+--source "$GSM8K_SOURCE"} --out "$DATA/gsm8k"
+.venv/bin/python examples/data_preprocess/math_dataset.py ${MATH_SOURCE:+--source "$MATH_SOURCE"} --out "$DATA/math"
 for split in train test; do
   .venv/bin/python - "$DATA" "$split" <<'PY'
 import sys, pyarrow as pa, pyarrow.parquet as pq

@@ -50,10 +50,15 @@ def _local_copy(folder: Path, rows: list[dict], config: str | None = None) -> Pa
 
 
 def _preprocess(script: str, source: Path, out: Path, rows: int = 2) -> None:
-    run = subprocess.run([sys.executable, str(EXAMPLES / "data_preprocess" / script), "--source", str(source),
-                          "--out", str(out)], capture_output=True, text=True, timeout=300)
+    """Runs the script twice, as the examples do before every run: the second keeps the splits."""
+    command = [sys.executable, str(EXAMPLES / "data_preprocess" / script), "--source", str(source), "--out", str(out)]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert f"{rows} train rows -> {out / 'train.parquet'}" in run.stdout
+    written = (out / "train.parquet").stat().st_mtime_ns
+    again = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "already holds train and test: kept" in again.stdout, again.stdout + again.stderr
+    assert (out / "train.parquet").stat().st_mtime_ns == written
 
 
 def test_gsm8k_rows_carry_the_reference_number_and_score_right(tmp_path):

@@ -148,25 +148,22 @@ def test_a_colocated_judge_sleeps_wakes_and_answers_as_the_engine_called_directl
     assert all(s.error is None for s in scores)
 
 
+JUDGE = ["reward.model.kind=generative", "reward.model.path=tiny://qwen3"]  # a judge the cases below break
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["reward.model.kind=generative"], "reward.model.path: reward.model.kind=generative needs the judge's model"),
     (["reward.model.kind=generative", "reward.model.path=/no/such/judge"],
      "reward.model.path: '/no/such/judge' is not a Hugging Face model folder"),
     (["reward.model.kind=pairwise", "reward.model.path=tiny://qwen3"], "reward.model.kind: unknown 'pairwise'"),
-    (["reward.model.kind=generative", "reward.model.path=tiny://qwen3", "reward.model.tp=0"],
-     "reward.model.tp: must be >= 1"),
-    (["reward.model.kind=generative", "reward.model.path=tiny://qwen3", "reward.model.num_engines=0"],
-     "reward.model.num_engines: must be >= 1"),
-    (["reward.model.kind=generative", "reward.model.path=tiny://qwen3", "reward.model.placement=shared"],
-     "reward.model.placement: unknown 'shared'"),
-    (["reward.model.kind=generative", "reward.model.path=tiny://qwen3", "reward.model.placement=colocated",
-      "reward.model.num_engines=2"], "reward.model.num_engines=2: a colocated judge is one engine"),
-    (["reward.model.kind=generative", "reward.model.path=tiny://qwen3", "reward.model.template=Q {prompt}"],
-     "reward.model.template: has no {response}"),
-    (["reward.model.kind=generative", "reward.model.path=tiny://qwen3", "reward.model.parser=score"],
-     "reward.model.parser: the regex 'score' has no group"),
-    (["reward.model.kind=generative", "reward.model.path=tiny://qwen3", "reward.remote.url=http://h/c"],
-     "reward.model.kind: a run has one model reward"),
+    ([*JUDGE, "reward.model.tp=0"], "reward.model.tp: must be >= 1"),
+    ([*JUDGE, "reward.model.num_engines=0"], "reward.model.num_engines: must be >= 1"),
+    ([*JUDGE, "reward.model.placement=shared"], "reward.model.placement: unknown 'shared'"),
+    ([*JUDGE, "reward.model.placement=colocated", "reward.model.num_engines=2"],
+     "reward.model.num_engines=2: a colocated judge is one engine"),
+    ([*JUDGE, "reward.model.template=Q {prompt}"], "reward.model.template: has no {response}"),
+    ([*JUDGE, "reward.model.parser=score"], "reward.model.parser: the regex 'score' has no group"),
+    ([*JUDGE, "reward.remote.url=http://h/c"], "reward.model.kind: a run has one model reward"),
     (["reward.model.kind=discriminative", "reward.model.path=tiny://qwen3", "reward.model.template=A {response}"],
      "reward.model.template: a discriminative reward model reads the task and the response as a chat"),
 ])
