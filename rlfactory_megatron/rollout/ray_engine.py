@@ -8,6 +8,7 @@ call that receives it. An engine with TP workers hands the received bucket on to
 from __future__ import annotations
 
 import pickle
+import time
 from datetime import timedelta
 
 import torch
@@ -158,7 +159,7 @@ class RayVLLMEngine:
         import ray
 
         host_cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(VLLMEngineHost)
-        self._ray = ray
+        self._ray, self.name = ray, name
         # max_restarts=0: a dead engine is replaced by its owner, with the weights of the next sync.
         # `env`: the actor's environment variables (a colocated judge's devices: its owner's).
         options = {"runtime_env": {"env_vars": env}} if env else {}
@@ -213,6 +214,15 @@ class RayVLLMEngine:
         except Exception:  # noqa: BLE001 - already dead or stuck: killing it is all that is left
             pass
         self._ray.kill(self.actor, no_restart=True)
+        # The kill is asynchronous; the name is free only once the actor is gone, and an engine
+        # started next in this Ray session (a test's, a restarted judge's) may take it.
+        deadline = time.monotonic() + 30
+        while self.name is not None and time.monotonic() < deadline:
+            try:
+                self._ray.get_actor(self.name)
+            except ValueError:
+                return
+            time.sleep(0.1)
 
 
 @TRANSPORTS.register("broadcast")
