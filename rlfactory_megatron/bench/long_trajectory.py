@@ -68,13 +68,14 @@ def trajectory_batch(rows: int, tokens: int, turn: int, vocab: int, seed: int = 
 def _rank(hf_dir: str, cp: int, args: dict) -> dict:
     """One rank of a CP group: warm-up and timed actor updates, its peak memory and step times."""
     from rlfactory_megatron.actor.actor import Actor
-    from rlfactory_megatron.bench.memory import peak, reset_peak
+    from rlfactory_megatron.bench.memory import peak, reset_peak, return_freed_memory
     from rlfactory_megatron.config import load_config
     from rlfactory_megatron.models.builder import BuildOptions
     from rlfactory_megatron.models.hf_arch import load_arch
     from rlfactory_megatron.runtime.cpu_compat import compute_device
     from rlfactory_megatron.runtime.distributed import ParallelSizes, destroy_distributed, init_distributed
 
+    return_freed_memory()
     init_distributed(ParallelSizes(cp=cp), seed=0)
     try:
         cfg = load_config(overrides=[f"parallel.cp={cp}", f"actor.max_tokens_per_microbatch={args['tokens']}",

@@ -11,6 +11,18 @@ import torch
 # without a fixed threshold glibc keeps freed mid-sized blocks in its heap, and RSS would count
 # them as live (the fused log-prob's 16 MiB chunks read as 300 MiB instead of 50).
 RETURN_FREED_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter the variable above sets
+
+
+def return_freed_memory() -> None:
+    """The same threshold for this process, set now: a rank forked from a server that started
+    without the variable (runtime/distributed.py's fork server on CPU) never read it."""
+    import ctypes
+    import ctypes.util
+
+    libc = ctypes.util.find_library("c")
+    if libc is not None and hasattr(ctypes.CDLL(libc), "mallopt"):
+        ctypes.CDLL(libc).mallopt(_M_MMAP_THRESHOLD, 1 << 20)
 
 
 def _cpu_memory() -> tuple[int, int]:

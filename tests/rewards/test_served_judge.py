@@ -137,7 +137,9 @@ def test_a_colocated_judge_sleeps_wakes_and_answers_as_the_engine_called_directl
 
     _, direct, loop = served
     cfg = OmegaConf.merge(judge_cfg, {"reward": {"model": {"placement": "colocated"}}})
-    judge = start_judge(cfg, EngineLayout(world=1, rollout_tp=1, rank=0))
+    # As the second producer of a job (its engines' names are the producer's; the module's judge,
+    # still up, is the first's).
+    judge = start_judge(cfg, EngineLayout(world=2, rollout_tp=1, rank=1))
     try:
         loop.run_until_complete(judge.sleep())
         loop.run_until_complete(judge.wake_up())
@@ -210,7 +212,7 @@ def test_a_reward_model_on_our_engines_scores_as_transformers_does(tmp_path, ray
     cfg = load_config(overrides=["reward.model.kind=discriminative", f"reward.model.path={tmp_path / 'rm'}",
                                  "reward.model.max_prompt_tokens=512", "reward.model.max_tokens=1",
                                  "reward.model.placement=colocated", "rollout.max_num_seqs=8"])
-    judge = start_judge(cfg, EngineLayout(world=1, rollout_tp=1, rank=0))
+    judge = start_judge(cfg, EngineLayout(world=3, rollout_tp=1, rank=2))  # a third producer's: names apart
     loop = asyncio.new_event_loop()
     try:
         scores = _score(judge, loop, SAMPLES)
