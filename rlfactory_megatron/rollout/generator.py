@@ -2,9 +2,9 @@
 across the producers, the agent loop with tools, each producer scoring its own rows. Trajectories
 stay where they were made: every rank learns only each row's size and counts (`RowSummary`), and
 each row goes point to point from the process that made it to the ranks of the one DP rank that
-trains it (`RolloutGenerator.place`), whose first rank stores it once trained: nothing comes back. Rows are numbered in the order one engine would have
-produced them; seeds come from (run seed, step, row), so a run's samples do not depend on how
-many engines generate them.
+trains it (`RolloutGenerator.place`), whose first rank stores it once trained: nothing comes back.
+Rows are numbered in the order one engine would have produced them; seeds come from (run seed, step,
+row), so a run's samples do not depend on how many engines generate them.
 """
 from __future__ import annotations
 
