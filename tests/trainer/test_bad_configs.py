@@ -4,7 +4,6 @@ import json
 import os
 import subprocess
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from rlf_train_cli import BIN, env_for
@@ -139,38 +138,81 @@ CASES = [
 ]
 
 
+# Every case through rlf-train's own entry point (`rlfactory_megatron.cli.train.main`, what the
+# console script calls) in one process: ~75 fresh interpreters importing torch cost ~5 CPU-minutes.
+# A few cases also run as the console script (a process each) and must end the same way.
+DRIVER = """
+import contextlib, io, json, resource, sys, traceback
+from rlfactory_megatron.cli.train import main
+
+def cpu():
+    return sum(u.ru_utime + u.ru_stime for u in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))
+
+results = []
+for argv in json.loads(sys.stdin.read()):
+    out, err, before = io.StringIO(), io.StringIO(), cpu()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = main(argv)
+        except SystemExit as exc:  # argparse's own refusals
+            status = exc.code
+        except BaseException:
+            traceback.print_exc()
+            status = None
+    results.append({"status": status, "stdout": out.getvalue(), "stderr": err.getvalue(), "cpu_s": cpu() - before})
+print(json.dumps(results))
+"""
+AS_CONSOLE_SCRIPT = (0, 56, 72)  # an allowed-set key, a tool that cannot start, the data
+
+
+def _argv(args: list[str], paths: dict[str, str], output: Path) -> list[str]:
+    """A case's arguments with its file placeholders replaced by the files' paths."""
+    args = [paths.get(a, a) for a in args]
+    args = [a.split("=", 1)[0] + "=" + paths[a.split("=", 1)[1]] if "=" in a and a.split("=", 1)[1] in paths else a
+            for a in args]
+    return [f"trainer.output_dir={output}", *args]
+
+
+def _console_script(argv: list[str], env: dict[str, str]):
+    """`rlf-train ARGV` as a process of its own: its result, and its CPU seconds (its own and its
+    children's, from wait4: a loaded machine stretches wall time, never these)."""
+    proc = subprocess.Popen([str(BIN / "rlf-train"), *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    hung = threading.Timer(300, proc.kill)  # a case that hangs fails on its exit status, not the suite
+    hung.start()
+    stdout, stderr = proc.stdout.read(), proc.stderr.read()
+    _, status, usage = os.wait4(proc.pid, 0)  # Popen's own wait would discard the usage
+    hung.cancel()
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return {"status": proc.returncode, "stdout": stdout, "stderr": stderr, "cpu_s": usage.ru_utime + usage.ru_stime}
+
+
+def _check(args, expected, result) -> None:
+    lines = [line for line in result["stderr"].splitlines() if line.strip()]
+    assert result["status"] == 2, (args, result["status"], result["stderr"][-2000:])
+    expected = (expected,) if isinstance(expected, str) else expected
+    assert lines and lines[-1].startswith("rlf-train: error: "), (args, lines[-3:])
+    assert all(part in lines[-1] for part in expected), (args, lines[-3:])
+    assert "Traceback" not in result["stderr"] + result["stdout"], (args, result["stderr"][-2000:])
+    # Before any model, Ray or vLLM: starting one costs far more than this.
+    assert result["cpu_s"] < 10, (args, f"{result['cpu_s']:.1f} CPU s")
+
+
 def test_every_bad_config_is_refused_at_once_with_the_key_named(tmp_path):
     paths = files(tmp_path)
-
-    def run(numbered):
-        number, (args, _) = numbered
-        args = [next((v for k, v in paths.items() if a == k), a) for a in args]
-        args = [a.split("=", 1)[0] + "=" + paths[a.split("=", 1)[1]] if "=" in a and a.split("=", 1)[1] in paths else a
-                for a in args]
-        # The bound is on the refusing process's CPU seconds (its own and its children's, from
-        # wait4), not on wall time: a loaded machine stretches the one, never the other, so the
-        # test runs beside others in the suite. Starting a model, Ray or vLLM costs far more.
-        with open(tmp_path / f"{number}.out", "w+") as stdout, open(tmp_path / f"{number}.err", "w+") as stderr:
-            proc = subprocess.Popen([str(BIN / "rlf-train"), f"trainer.output_dir={tmp_path / 'out'}", *args],
-                                    stdout=stdout, stderr=stderr, text=True, env=env_for(tmp_path))
-            hung = threading.Timer(300, proc.kill)  # a case that hangs fails on its exit status, not the suite
-            hung.start()
-            _, status, usage = os.wait4(proc.pid, 0)  # Popen's own wait would discard the usage
-            hung.cancel()
-            proc.returncode = os.waitstatus_to_exitcode(status)
-            stdout.seek(0), stderr.seek(0)
-            done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout.read(), stderr.read())
-        return done, usage.ru_utime + usage.ru_stime
-
-    with ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(run, enumerate(CASES)))
-    assert len(CASES) >= 30
-    for (args, expected), (out, seconds) in zip(CASES, results):
-        lines = [line for line in out.stderr.splitlines() if line.strip()]
-        assert out.returncode == 2, (args, out.returncode, out.stderr[-2000:])
-        expected = (expected,) if isinstance(expected, str) else expected
-        assert lines and lines[-1].startswith("rlf-train: error: "), (args, lines[-3:])
-        assert all(part in lines[-1] for part in expected), (args, lines[-3:])
-        assert "Traceback" not in out.stderr + out.stdout, (args, out.stderr[-2000:])
-        assert seconds < 10, (args, f"{seconds:.1f} CPU s")
-    assert not (tmp_path / "out").exists()  # refused before any work, also the output folder
+    output = tmp_path / "out"
+    cases = [_argv(args, paths, output) for args, _ in CASES]
+    env = env_for(tmp_path)
+    driven = subprocess.run([str(BIN / "python"), "-c", DRIVER], input=json.dumps(cases), capture_output=True,
+                            text=True, env=env, timeout=900)
+    assert driven.returncode == 0, driven.stderr[-3000:]
+    results = json.loads(driven.stdout.splitlines()[-1])
+    assert len(CASES) >= 30 and len(results) == len(CASES)
+    for (args, expected), result in zip(CASES, results):
+        _check(args, expected, result)
+    for number in AS_CONSOLE_SCRIPT:
+        args, expected = CASES[number]
+        alone = _console_script(cases[number], env)
+        _check(args, expected, alone)
+        assert alone["stderr"].splitlines()[-1] == results[number]["stderr"].splitlines()[-1]
+    assert not output.exists()  # refused before any work, also the output folder

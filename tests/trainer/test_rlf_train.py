@@ -97,20 +97,20 @@ def test_killed_run_resumes_and_continues_exactly(tmp_path):
     assert wandb_runs(killed) == 2 * [checkpoint_state(killed, 2)["wandb_run_id"]]  # killed + resumed: one run
 
 
-def test_item2_engines_sleep_through_training_and_wake_weights_then_kv_cache(tmp_path):
-    # Issue 41 item 2, vLLM's order for a weight update (as verl does it): the engine sleeps at
-    # level 2 before every training phase (the SFT warm-start included), then after training
-    # torch.cuda.empty_cache(), the weights wake, load, and only then the KV cache wakes.
+def test_dapo_with_the_rollout_correction_and_the_engines_sleeping_through_training(tmp_path):
+    # One run, three checks (the suite's time): DAPO's dynamic sampling and settings; the rollout
+    # correction on the trainer's own old log-probs (one mini-batch in one epoch would skip the
+    # separate old-log-prob pass: the correction needs it; engine and trainer compute the same
+    # fp32 policy here: weights 1, nothing masked); and issue 41 item 2, vLLM's order for a weight
+    # update (as verl does it): the engine sleeps at level 2 before every training phase (the SFT
+    # warm-start included), then after training torch.cuda.empty_cache(), the weights wake, load,
+    # and only then the KV cache wakes.
     recorded = tmp_path / "phases.jsonl"
-    out = rlf_train(tmp_path, "run", "trainer.total_steps=2", env=recording_env(recorded))
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "SFT warm-start done" in out.stdout
-    assert check_device_phases(recorded) == {2: 3}  # the warm-start and two steps, each after a level-2 sleep
-
-
-def test_dapo_drops_uniform_groups_and_applies_its_settings(tmp_path):
     out = rlf_train(tmp_path, "dapo", "trainer.algorithm=dapo", "trainer.total_steps=2", "trainer.val_every=0",
-                    "trainer.save_every=0", "trainer.prompts_per_step=3", "trainer.max_refill_rounds=1")
+                    "trainer.save_every=0", "trainer.prompts_per_step=3", "trainer.max_refill_rounds=1",
+                    "actor.mini_batch_size=64", "actor.rollout_correction.tis_cap=2.0",
+                    "actor.rollout_correction.mask_low=0.5", "actor.rollout_correction.mask_high=2.0",
+                    env=recording_env(recorded))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "dapo implies actor.policy_loss=clip-higher, actor.clip_ratio_high=0.28" in out.stdout and "reward.manager=dapo" in out.stdout
     for record in records(tmp_path / "dapo"):
@@ -119,6 +119,11 @@ def test_dapo_drops_uniform_groups_and_applies_its_settings(tmp_path):
         assert record["rollout/groups_kept"] <= 3
         if record["rollout/groups_kept"] < 3:  # it looked further before settling for less
             assert record["rollout/refill_rounds"] == 1
+        assert record["rollout_correction/mismatch_kl"] < 1e-6, record
+        assert abs(record["rollout_correction/is_weight_mean"] - 1) < 1e-3
+        assert 0.99 < record["rollout_correction/is_weight_max"] < 1.01
+        assert record["rollout_correction/masked_frac"] == 0
+        assert record["rollout/logprob_gap_max"] <= 1e-3  # the old log-probs were computed, not skipped
     config = (tmp_path / "dapo" / "config.yaml").read_text()
     assert "clip_ratio_high: 0.28" in config
     # The console is ours: a few lines of our own before the first progress line, no traceback;
@@ -128,21 +133,8 @@ def test_dapo_drops_uniform_groups_and_applies_its_settings(tmp_path):
     assert "Traceback" not in out.stdout + out.stderr
     log = (tmp_path / "dapo" / "logs" / "rank00000.log").read_text()
     assert "vllm" in log.lower() and "Apex" in log
-
-
-def test_rollout_correction_runs_on_the_trainers_own_old_log_probs(tmp_path):
-    # One epoch of one mini-batch would skip the separate old-log-prob pass; the correction
-    # needs it. Engine and trainer compute the same fp32 policy here: weights 1, nothing masked.
-    out = rlf_train(tmp_path, "corrected", "trainer.total_steps=2", "trainer.val_every=0", "trainer.save_every=0",
-                    "actor.mini_batch_size=64", "actor.rollout_correction.tis_cap=2.0",
-                    "actor.rollout_correction.mask_low=0.5", "actor.rollout_correction.mask_high=2.0")
-    assert out.returncode == 0, out.stderr[-3000:]
-    for record in records(tmp_path / "corrected"):
-        assert record["rollout_correction/mismatch_kl"] < 1e-6, record
-        assert abs(record["rollout_correction/is_weight_mean"] - 1) < 1e-3
-        assert 0.99 < record["rollout_correction/is_weight_max"] < 1.01
-        assert record["rollout_correction/masked_frac"] == 0
-        assert record["rollout/logprob_gap_max"] <= 1e-3  # the old log-probs were computed, not skipped
+    assert "SFT warm-start done" in out.stdout
+    assert check_device_phases(recorded) == {2: 3}  # the warm-start and two steps, each after a level-2 sleep
 
 
 def test_moe_with_experts_over_two_ranks_trains_with_replay_syncs_exactly_and_saves(tmp_path):
