@@ -14,10 +14,10 @@ from rlfactory_megatron.rewards.scoring import failed, score_one
 # deadlock.
 _CONTEXT = multiprocessing.get_context("forkserver")
 _READY = "ready"
-# The server imports these once, so a replacement or spare process starts in ~0.1 s (the
-# scorers pull in math_verify / sympy, seconds to import). Not the user's reward file: forked
+# The server imports these once, so a replacement or spare process starts in ~0.1 s (the math
+# scorers' math_verify / sympy take seconds to import). Not the user's reward file: forked
 # from one import, every worker would share its module state (a seeded RNG, an open client).
-_PRELOAD = [__name__, "rlfactory_megatron.rewards.scorers"]
+_PRELOAD = [__name__, "rlfactory_megatron.rewards.scorers", "math_verify"]
 
 
 def _die_with_parent() -> None:

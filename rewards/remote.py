@@ -8,13 +8,15 @@ import math
 import os
 import time
 from dataclasses import dataclass
-
-import aiohttp
+from typing import TYPE_CHECKING
 
 from rlfactory_megatron.registry import Registry
 from rlfactory_megatron.rewards.custom import RewardConfigError
 from rlfactory_megatron.rewards.judge import JudgePrompt, ReplyNotParsed, reply_parser
 from rlfactory_megatron.rewards.records import RewardSample
+
+if TYPE_CHECKING:
+    import aiohttp
 
 logger = logging.getLogger(__name__)
 
@@ -177,15 +179,21 @@ class RemoteReward:
         return asyncio.run(self._score_all(samples))
 
     async def _score_all(self, samples: list[RewardSample]) -> list[ModelScore]:
+        # Imported here: every reward worker and scoring process imports this module, and only
+        # runs with an endpoint need aiohttp (~1 CPU-s to import).
+        import aiohttp
+
         limit = asyncio.Semaphore(self.spec.max_concurrency)
         timeout = aiohttp.ClientTimeout(total=self.spec.timeout_s)
         connector = aiohttp.TCPConnector(limit=self.spec.max_concurrency)
         async with aiohttp.ClientSession(timeout=timeout, connector=connector, headers=self.headers) as session:
             return list(await asyncio.gather(*(self._score_one(session, limit, s) for s in samples)))
 
-    async def _score_one(self, session: aiohttp.ClientSession, limit: asyncio.Semaphore,
+    async def _score_one(self, session: "aiohttp.ClientSession", limit: asyncio.Semaphore,
                          sample: RewardSample) -> ModelScore:
         data = json.dumps(self.protocol.body(sample), default=str)  # a label may be any JSON-able value
+        import aiohttp
+
         started = time.monotonic()
         attempt = 0
         while True:
@@ -204,7 +212,7 @@ class RemoteReward:
             await asyncio.sleep(self.spec.backoff_s * 2**attempt)
             attempt += 1
 
-    async def _request(self, session: aiohttp.ClientSession, data: str) -> tuple[float, str | None]:
+    async def _request(self, session: "aiohttp.ClientSession", data: str) -> tuple[float, str | None]:
         async with session.post(self.spec.url, data=data) as response:
             text = await response.text(errors="replace")
             if response.status in RETRIED_STATUSES:
@@ -224,6 +232,8 @@ class RemoteReward:
 
 
 def _describe_failure(exc: BaseException, timeout_s: float) -> str:
+    import aiohttp
+
     if isinstance(exc, asyncio.TimeoutError):
         return f"timed out after {timeout_s:g}s"
     return f"{type(exc).__name__}: {exc}" if isinstance(exc, aiohttp.ClientError) else str(exc)

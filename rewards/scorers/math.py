@@ -2,8 +2,6 @@
 import re
 import threading
 
-from math_verify import parse, verify
-
 _BOX = re.compile(r"\\(?:boxed|fbox)")
 _MATH_VERIFY_TIMEOUT_S = 5
 
@@ -63,6 +61,10 @@ def is_equivalent(prediction: str, gold: str) -> bool:
     # math-verify times out with SIGALRM, which only the main thread may set; elsewhere
     # the caller (reward pool, prime processes) bounds the time.
     timeout = _MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    # Imported on first use: math-verify pulls in sympy (~2 CPU-s), which every process that
+    # imports the scorers (reward workers, the trainer) would pay, whatever its task.
+    from math_verify import parse, verify
+
     gold_parsed = parse(f"${gold}$", parsing_timeout=timeout)
     if not gold_parsed:
         return False
