@@ -17,9 +17,6 @@ from rlf_train_cli import BIN, env_for, records
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "faults"))
 from rlf_judge import FaultyChatJudge, LocalJudge  # noqa: E402
 
-# Bounds on wall time: run alone, after the parallel part of the suite (scripts/test.sh).
-pytestmark = pytest.mark.serial
-
 FAULTS = Path(__file__).parent / "faults"
 
 

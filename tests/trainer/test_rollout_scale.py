@@ -32,9 +32,9 @@ def _assert_every_engine_generated(run_records, engines: int):
 
 
 def test_two_engines_colocated_disaggregated_or_context_parallel_make_the_samples_one_engine_makes(tmp_path):
-    # 1 engine on 1 rank; 2 colocated engines on 2 ranks; 2 disaggregated engines for 1 rank, and for 2;
-    # 2 colocated engines on a context-parallel group of 2 ranks (one DP rank), killed after its
-    # step-2 checkpoint and resumed.
+    # 1 engine on 1 rank; 2 colocated engines on 2 ranks; 2 disaggregated engines for 2 ranks (for
+    # 1 rank: the engine-kill test below); 2 colocated engines on a context-parallel group of 2
+    # ranks (one DP rank), killed after its step-2 checkpoint and resumed.
     one = rlf_train(tmp_path, "one", *RUN)
     assert one.returncode == 0, one.stderr[-3000:]
     kill_after_checkpoint(tmp_path, "cp", "step_000002", *RUN, "trainer.save_every=2", "parallel.cp=2")
@@ -44,23 +44,20 @@ def test_two_engines_colocated_disaggregated_or_context_parallel_make_the_sample
     two = torchrun_train(tmp_path, "two", 2, *RUN)
     assert two.returncode == 0, two.stderr[-3000:]
     assert "step 3/3 | reward" in two.stdout
-    # Two engines of their own (Ray actors) behind rank 0's router, fed through one broadcast group.
-    pool = rlf_train(tmp_path, "pool", *RUN, "rollout.mode=disaggregated", "rollout.num_engines=2")
-    assert pool.returncode == 0, pool.stderr[-3000:]
-    # The same pool feeding two training ranks (dp=2): rank 0 routes, each rank trains its rows.
+    # Two engines of their own (Ray actors) behind rank 0's router, fed through one broadcast group,
+    # feeding two training ranks (dp=2): rank 0 routes, each rank trains its rows.
     pool_dp = torchrun_train(tmp_path, "pool_dp", 2, *RUN, "rollout.mode=disaggregated", "rollout.num_engines=2")
     assert pool_dp.returncode == 0, pool_dp.stderr[-3000:]
-    first, second, pooled = records(tmp_path / "one"), records(tmp_path / "two"), records(tmp_path / "pool")
+    first, second = records(tmp_path / "one"), records(tmp_path / "two")
     pooled_dp, context = records(tmp_path / "pool_dp"), records(tmp_path / "cp")
     _assert_every_engine_generated(first, 1)
     _assert_every_engine_generated(second, 2)
-    _assert_every_engine_generated(pooled, 2)
     _assert_every_engine_generated(pooled_dp, 2)
     _assert_every_engine_generated(context, 2)
     for record in second[1:] + pooled_dp[1:]:  # each DP rank received and trained on its own part of the 4 rows
         assert record["train/dp_rows_min"] >= 1 and record["train/dp_rows_min"] + record["train/dp_rows_max"] == 4
         assert record["train/dp_token_imbalance"] >= 1.0
-    assert all(r["train/dp_rows_min"] == 4 for r in first[1:] + pooled[1:] + context[1:])  # CP ranks share the rows
+    assert all(r["train/dp_rows_min"] == 4 for r in first[1:] + context[1:])  # CP ranks share the rows
     # One shard per DP rank (its first rank writes what it trained); together they hold each trajectory once.
     shards = sorted(p.name for p in (tmp_path / "two" / "cache" / "rollouts").iterdir())
     assert shards == ["shard-00000-of-00002.h5", "shard-00001-of-00002.h5"]
@@ -70,10 +67,10 @@ def test_two_engines_colocated_disaggregated_or_context_parallel_make_the_sample
     # Stored where trained (each DP rank's first rank writes its rows): the advantages that rank
     # computed, equal to the one-rank run's, in the shard of the DP rank that trained the row.
     assert _stored_advantages(tmp_path / "two") == _stored_advantages(tmp_path / "one")
-    assert _stored_advantages(tmp_path / "pool_dp") == _stored_advantages(tmp_path / "pool")
-    assert stored_trajectories(tmp_path / "pool") == stored_trajectories(tmp_path / "pool_dp") == alone
+    assert _stored_advantages(tmp_path / "pool_dp") == _stored_advantages(tmp_path / "one")
+    assert stored_trajectories(tmp_path / "pool_dp") == alone
     assert stored_trajectories(tmp_path / "cp") == alone  # each trajectory once: one DP rank writes its rows
-    for run in (second, pooled, pooled_dp, context):
+    for run in (second, pooled_dp, context):
         assert [r["step"] for r in run] == [r["step"] for r in first] == [0, 1, 2, 3]
         # DP's gradient all-reduce (and CP's split of attention and of the gradients) sums in
         # another order: rounding differs
@@ -103,10 +100,12 @@ def test_a_disaggregated_engine_killed_mid_step_is_replaced_and_no_trajectory_ch
     judge = ("reward.model.kind=generative", "reward.model.path=tiny://qwen3", "reward.model.placement=own",
              f"reward.model.parser={parser}:parse", "reward.model.max_tokens=16", "reward.model.max_prompt_tokens=1000",
              "reward.combine.rule_weight=1", "reward.combine.model_weight=1")
-    # A longer warm-start, so that the tiny policy calls the calculator; the killing one is the
-    # plain calculator (same name and schema) apart from its first call.
+    # A longer warm-start, so that the tiny policy calls the calculator (computed once: the killed
+    # run loads what the calm one stored); the killing one is the plain calculator (same name and
+    # schema) apart from its first call.
     run = (*RUN, "rollout.mode=disaggregated", "rollout.num_engines=2", "trainer.sft_steps=60",
-           "trainer.sft_batch_size=16", "trainer.prompts_per_step=4", "trainer.total_steps=2", "trainer.val_every=0",
+           "trainer.sft_batch_size=16", f"trainer.sft_cache={tmp_path / 'warm-starts'}", "trainer.prompts_per_step=4",
+           "trainer.total_steps=2", "trainer.val_every=0",
            "tools.call_timeout_s=300", *judge)  # the killing call's actor lookup must not time out
     # Ray's tool workers import it by name; the marker file makes it kill once in the run.
     env = {"PYTHONPATH": str(faults), "RLF_TEST_KILL_ENGINE_ONCE": str(tmp_path / "engine-killed"),
@@ -116,6 +115,7 @@ def test_a_disaggregated_engine_killed_mid_step_is_replaced_and_no_trajectory_ch
     assert calm.returncode == 0, calm.stderr[-3000:]
     assert killed.returncode == 0, killed.stderr[-3000:]
     assert "rollout engine 0 died" in killed.stdout and "judge engine 0 died" in killed.stdout
+    assert f"reused from {tmp_path / 'warm-starts'}" in killed.stdout  # the calm run's warm-start
     steps = records(tmp_path / "killed")[1:]
     assert sum(r["rollout/tool_calls_per_sample"] for r in steps) > 0
     assert stored_trajectories(tmp_path / "killed") == stored_trajectories(tmp_path / "calm")
