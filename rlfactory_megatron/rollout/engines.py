@@ -169,7 +169,8 @@ class VLLMEngine:
         self.llm = LLM(model=self.hf_dir, skip_tokenizer_init=runner == "generate", runner=runner, dtype=dtype,
                        tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
                        max_num_seqs=max_num_seqs, gpu_memory_utilization=memory_utilization, seed=seed,
-                       enforce_eager=on_cpu, enable_sleep_mode=enable_sleep_mode,
+                       # Our route hook runs in Python, which a captured CUDA graph replays without.
+                       enforce_eager=on_cpu or record_routes, enable_sleep_mode=enable_sleep_mode,
                        # log-probs of the tempered (and top-k/top-p renormalized) distribution sampled
                        # from: what the trainer's log-probs at rollout.temperature are compared with
                        logprobs_mode="processed_logprobs",
