@@ -43,7 +43,7 @@ class Learner:
         temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.actor = Actor(cfg.actor, arch, hf_dir, build, total, norm_length=cfg.rollout.max_response_tokens,
                            temperature=temperature)
-        # Under R3 the reference replays the engines' routes too (it runs under R2 on its own routes).
+        # Under R3 the reference replays the engines' routes too; under R2 it routes for itself.
         self.reference = (PolicyModel(arch, hf_dir, build, cfg.actor.max_tokens_per_microbatch,
                                       fused_logprob=cfg.actor.use_fused_logprob, temperature=temperature,
                                       routing_replay="R3" if cfg.actor.moe.routing_replay == "R3" else "none")
