@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
 
+import numpy as np
+
 from rlfactory_megatron.envs.tool_manager import ToolManager, truncate_observation
 from rlfactory_megatron.envs.tools import ToolResult
 from rlfactory_megatron.registry import Registry
@@ -23,11 +25,41 @@ if TYPE_CHECKING:
 RunTool = Callable[[str, dict[str, Any]], Awaitable[ToolResult]]
 
 
+class Completion(tuple):
+    """One request's answer: unpacks as `(token_ids, log_probs)`. An engine recording its routes
+    (routing replay R3) also gives `routes` ([positions, layers, top-k]: the experts each position of
+    the prompt and of the sampled tokens but the last took, -1 where unknown), by attribute only, as
+    `os.stat_result` keeps fields beyond its tuple: every caller that unpacks a pair still does."""
+
+    routes: np.ndarray | None
+
+    def __new__(cls, token_ids: list[int], log_probs: list[float], routes: np.ndarray | None = None) -> "Completion":
+        done = super().__new__(cls, (list(token_ids), list(log_probs)))
+        done.routes = routes
+        return done
+
+    def __reduce__(self):  # crosses processes (a Ray-hosted engine's stream) with its routes
+        return Completion, (*self, self.routes)
+
+
+def merge_routes(known: np.ndarray | None, new: np.ndarray | None) -> np.ndarray | None:
+    """The routes of one conversation over its engine calls: each position keeps those of the first
+    call that computed it (whose forward sampled the token after it), later calls add the positions
+    they computed beyond (a turn's own tokens, the observation before it)."""
+    if known is None or new is None:
+        return new if known is None else known
+    merged = np.full((max(len(known), len(new)), *known.shape[1:]), -1, dtype=known.dtype)
+    merged[: len(new)] = new
+    computed = (known >= 0).all(axis=(1, 2))
+    merged[: len(known)][computed] = known[computed]
+    return merged
+
+
 class Front(Protocol):
     """Per-request generation: an engine's asyncio front (`rlfactory_megatron.rollout.fronts.serving`),
     the router's session that picks the engine, or anything else that answers one request."""
 
-    async def generate(self, prompt_token_ids: list[int], sampling: "SamplingConfig") -> tuple[list[int], list[float]]: ...
+    async def generate(self, prompt_token_ids: list[int], sampling: "SamplingConfig") -> Completion: ...
 
 
 @dataclass
@@ -67,6 +99,8 @@ class Trajectory:
     logprobs: list[float]  # rollout log-probs of generated tokens; 0.0 on observation tokens
     turns: list[TurnRecord]
     stop_reason: str  # "answer" | "max_turns" | "token_budget"
+    # The engine's routes of every position but the last (routing replay R3; merge_routes), else None.
+    routes: np.ndarray | None = None
 
     @property
     def final_content(self) -> str:
@@ -139,7 +173,9 @@ async def _roll_out(prompt_ids, front, manager, run_tool, sampling, config, barr
         turn_sampling = dataclasses.replace(sampling, max_tokens=min(sampling.max_tokens, budget),
                                             seed=None if sampling.seed is None else sampling.seed + turn_index)
         start = time.perf_counter()
-        ids, logprobs = await front.generate(traj.prompt_ids + traj.response_ids, turn_sampling)
+        done = await front.generate(traj.prompt_ids + traj.response_ids, turn_sampling)
+        traj.routes = merge_routes(traj.routes, getattr(done, "routes", None))
+        ids, logprobs = done
         ids, logprobs = ids[:budget], list(logprobs[:budget])
         _append(traj, ids, logprobs, trainable=True)
         text = manager.tokenizer.decode(ids)

@@ -32,24 +32,30 @@ class RolloutRecord:
     reward: float
     tool_traces: list[dict[str, Any]] = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)
+    # Routing replay R3: the experts the engine routed each position but the last to, [prompt +
+    # response tokens - 1, layers, top-k] (-1 where unknown); None when not recorded.
+    routes: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         for name, dtype in _ARRAYS.items():
             setattr(self, name, np.asarray(getattr(self, name), dtype=dtype))
+        if self.routes is not None:
+            self.routes = np.asarray(self.routes, dtype=np.int16)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, RolloutRecord):
             return NotImplemented
         return all(
             np.array_equal(getattr(self, f.name), getattr(other, f.name)) if f.name in _ARRAYS
+            else _same_routes(self.routes, other.routes) if f.name == "routes"
             else getattr(self, f.name) == getattr(other, f.name)
             for f in fields(self)
         )
 
     def to_json(self) -> dict[str, Any]:
         """Plain lists and scalars, for JSONL/parquet export."""
-        return {f.name: getattr(self, f.name).tolist() if f.name in _ARRAYS else getattr(self, f.name)
-                for f in fields(self)}
+        return {f.name: getattr(self, f.name).tolist() if f.name in _ARRAYS or (f.name == "routes" and self.routes is not None)
+                else getattr(self, f.name) for f in fields(self)}
 
 
 class RolloutStore:
@@ -179,6 +185,8 @@ def _to_columns(records: Sequence[RolloutRecord]) -> dict[str, list]:
         "reward": [r.reward for r in records],
         "tool_traces": _json_column([r.tool_traces for r in records]),
         "metadata": _json_column([r.metadata for r in records]),
+        "routes": [np.empty(0, np.int16) if r.routes is None else r.routes.reshape(-1) for r in records],
+        "routes_shape": [(0, 0) if r.routes is None else r.routes.shape[1:] for r in records],
     }
 
 
@@ -190,4 +198,14 @@ def _from_columns(columns: dict[str, list], i: int) -> RolloutRecord:
         reward=float(columns["reward"][i]),
         tool_traces=json.loads(columns["tool_traces"][i].tobytes()),
         metadata=json.loads(columns["metadata"][i].tobytes()),
+        routes=_routes(columns["routes"][i], columns["routes_shape"][i]),
     )
+
+
+def _routes(flat: np.ndarray, shape: np.ndarray) -> np.ndarray | None:
+    """A record's routes from its flat cell and [layers, top-k] (0, 0: none; a cache written before routes were kept)."""
+    return flat.reshape(-1, *shape.tolist()) if shape.all() else None
+
+
+def _same_routes(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    return a is b or (a is not None and b is not None and np.array_equal(a, b))

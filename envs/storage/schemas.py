@@ -19,6 +19,10 @@ ROLLOUTS = ShardSchema(
             Column("reward", "float64"),
             Column("tool_traces", "uint8", ragged=True, json=True),
             Column("metadata", "uint8", ragged=True, json=True),
+            # Routing replay R3: the engine's experts of each position but the last, flat, and their
+            # [layers, top-k] shape ([0, 0]: none recorded).
+            Column("routes", "int16", ragged=True, added_later=True),
+            Column("routes_shape", "int32", width=2, added_later=True),
         )),
     ),
 )

@@ -101,6 +101,9 @@ class Column:
     width: int = 0  # fixed columns: 0 = one scalar per row, else a vector of `width` elements
     json: bool = False  # ragged uint8 holding UTF-8 JSON (verify decodes it)
     refers_to: str | None = None  # values are row numbers of that table (verify checks the range)
+    # Added after shards were written without it: such a shard reads it as empty cells (ragged) or
+    # zeros, and is rewritten with it when opened for appending.
+    added_later: bool = False
 
 
 @dataclass(frozen=True)
@@ -246,7 +249,13 @@ class Shard:
     def read(self, table: str, column: str, start: int, stop: int) -> np.ndarray | list[np.ndarray]:
         """Rows [start, stop) of a column: an array for fixed columns, a list of arrays for ragged ones."""
         stop = min(stop, self._rows[table])
-        if not self._columns[table, column].ragged:
+        spec = self._columns[table, column]
+        if not self.holds(table, column):  # an added_later column this shard predates
+            count = max(stop - start, 0)
+            if spec.ragged:
+                return [np.empty(0, spec.dtype) for _ in range(count)]
+            return np.zeros((count, spec.width) if spec.width else (count,), spec.dtype)
+        if not spec.ragged:
             return self._ds[table, column][start:stop]
         ends = self.ends(table, column)[start:stop]
         if not len(ends):
@@ -276,6 +285,8 @@ class Shard:
 
     def ends(self, table: str, column: str) -> np.ndarray:
         """End offsets of a ragged column for every committed row (kept in memory, extended as rows arrive)."""
+        if not self.holds(table, column):  # an added_later column this shard predates: empty cells
+            return np.zeros(self._rows[table], np.int64)
         parts = self._ends.setdefault((table, column), [])
         have = sum(len(p) for p in parts)
         if have < self._rows[table]:
@@ -283,6 +294,10 @@ class Shard:
         if len(parts) != 1:  # appends only add pieces; join them when someone reads
             parts[:] = [np.concatenate(parts) if parts else np.empty(0, np.int64)]
         return parts[0]
+
+    def holds(self, table: str, column: str) -> bool:
+        """Whether the file has the column (not so for an added_later one it predates)."""
+        return (table, column) in self._ds
 
     def dataset(self, table: str, name: str) -> h5py.Dataset:
         return self._ds[table, name]
@@ -358,6 +373,10 @@ def open_writer(path: Path, schema: ShardSchema) -> Shard:
         file = _open_swmr_writer(path)
     try:
         _check(file, path, schema)
+        if _predated_columns(file, schema):  # datasets cannot be added in SWMR mode: a copy with them
+            file.close()
+            rewrite(path, schema, keep=lambda shard, table: np.arange(shard.rows(table)))
+            file = _open_swmr_writer(path)
         _truncate_uncommitted(file, schema)
         return Shard(path, schema, file, writable=True)
     except BaseException:
@@ -478,6 +497,12 @@ def _attr(file: h5py.File, name: str):
     return value.decode() if isinstance(value, bytes) else value
 
 
+def _predated_columns(file: h5py.File, schema: ShardSchema) -> list[str]:
+    """The added_later columns a shard was written without."""
+    return [f"/{t.name}/{c.name}" for t in schema.tables for c in t.columns
+            if c.added_later and c.name not in file[t.name]]
+
+
 def _check(file: h5py.File, path: Path, schema: ShardSchema) -> None:
     version = _attr(file, "schema_version")
     if version != SCHEMA_VERSION:
@@ -490,6 +515,8 @@ def _check(file: h5py.File, path: Path, schema: ShardSchema) -> None:
             raise ShardError(f"{path}: table /{table.name} or its row counter is missing")
         committed = int(file[table.name][ROWS][()])
         for column in table.columns:
+            if column.added_later and column.name not in file[table.name]:
+                continue
             names = [column.name, column.name + OFFSETS] if column.ragged else [column.name]
             for name in names:
                 data = file[table.name].get(name)

@@ -24,7 +24,7 @@ def verify_shard(path: Path, schemas: Mapping[str, ShardSchema] = SCHEMAS) -> li
         return [str(exc)]
     try:
         return [f"{path}: {problem}" for table in shard.schema.tables for column in table.columns
-                for problem in _column_problems(shard, table.name, column)]
+                if shard.holds(table.name, column.name) for problem in _column_problems(shard, table.name, column)]
     finally:
         shard.close()
 

@@ -152,14 +152,17 @@ class PolicyModel:
     """
 
     def __init__(self, arch: ModelArch, hf_dir: str | None, build: BuildOptions, max_tokens: int,
-                 optim_cfg=None, total_steps: int = 1, fused_logprob: bool = True, temperature: float = 1.0) -> None:
+                 optim_cfg=None, total_steps: int = 1, fused_logprob: bool = True, temperature: float = 1.0,
+                 routing_replay: str = "none") -> None:
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0 (the sampling temperature the log-probs are of), got {temperature}")
         self.arch = arch
         self.max_tokens = max_tokens
         self.fused_logprob = fused_logprob
         self.temperature = temperature
-        self.record_routes = False  # the actor's under routing replay (actor.moe.routing_replay)
+        # actor.moe.routing_replay: R2, the actor's log-prob pass records the routes the update
+        # replays; R3, every pass replays the engines' routes the batch carries.
+        self.routing_replay = routing_replay
         build = replace(build, output_hidden_states=fused_logprob)
         self.megatron = MegatronModel(arch, hf_dir, build, optim_cfg, total_steps)
 
@@ -190,20 +193,32 @@ class PolicyModel:
         return out
 
     def compute_log_probs(self, batch: RolloutBatch, with_entropy: bool = False) -> dict[str, torch.Tensor]:
-        """Per-token log-probs (+ entropy) [B, T]; with `record_routes`, also the routes the
-        tokens took ("routes", [B, T, layers, top-k]) for the update to replay."""
+        """Per-token log-probs (+ entropy) [B, T]; under R2 also the routes the tokens took
+        ("routes", [B, T, layers, top-k]) for the update to replay; under R3, with the batch's
+        (the engines') routes replayed, the share of trained token-layer routes on which this
+        model's own router agreed with them ("routing_agreement", None if none was compared)."""
         plan = _plan(batch, self.max_tokens)
 
         def loss_fn(mb: PackedMicroBatch, output: torch.Tensor):
             out = self._token_outputs(mb, output, with_entropy)
             return torch.zeros(()), {"rows": mb.rows, **out}
 
-        record = self.record_routes and self.megatron.router_taps is not None
-        outputs = self.megatron.run(plan, loss_fn, forward_only=True, routes=RoutePass(record=True) if record else None)
+        taps = self.megatron.router_taps
+        replay = taps is not None and self.routing_replay == "R3"  # decided by config: a collective follows
+        record = taps is not None and self.routing_replay == "R2"
+        routes = None
+        if record:
+            routes = RoutePass(record=True)
+        elif replay:
+            taps.reset_metrics()
+            routes = RoutePass(replay=batch.routes, compared_on=batch.loss_mask > 0)
+        outputs = self.megatron.run(plan, loss_fn, forward_only=True, routes=routes)
         keys = ["log_probs"] + (["entropy"] if with_entropy else [])
         result = {key: gather_token_values(batch, outputs, key) for key in keys}
         if record:
-            result["routes"] = gather_routes(batch, self.megatron.router_taps.recorded(tuple(batch.input_ids.shape)))
+            result["routes"] = gather_routes(batch, taps.recorded(tuple(batch.input_ids.shape)))
+        if replay:
+            result["routing_agreement"] = taps.take_metrics().get("moe/routing_agreement")
         return result
 
 
@@ -213,11 +228,10 @@ class Actor(PolicyModel):
     def __init__(self, actor_cfg, arch: ModelArch, hf_dir: str | None, build: BuildOptions, total_steps: int,
                  norm_length: int | None = None, temperature: float = 1.0) -> None:
         super().__init__(arch, hf_dir, build, actor_cfg.max_tokens_per_microbatch, actor_cfg.optim, total_steps,
-                         fused_logprob=actor_cfg.use_fused_logprob, temperature=temperature)
+                         fused_logprob=actor_cfg.use_fused_logprob, temperature=temperature,
+                         routing_replay=actor_cfg.moe.routing_replay)
         self.cfg = actor_cfg
         self.norm_length = norm_length
-        # R2: the old-log-prob pass records the routes and the update's forwards replay them.
-        self.record_routes = actor_cfg.moe.routing_replay == "R2"
 
     def _loss_fn(self, mini: RolloutBatch, plan: MicroBatchPlan, tis_cap: float | None = None):
         cfg = self.cfg
@@ -299,7 +313,7 @@ class Actor(PolicyModel):
             taps.reset_metrics()
         metrics = _run_updates(self.megatron, batch, self.cfg.ppo_epochs, self.cfg.mini_batch_size, self.max_tokens,
                                partial(self._loss_fn, tis_cap=tis_cap), prefix="actor", token_outputs=token_outputs,
-                               replay_routes=self.record_routes)
+                               replay_routes=self.routing_replay != "none")
         if taps is not None:
             metrics.update(taps.take_metrics())
         return metrics

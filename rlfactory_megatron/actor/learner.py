@@ -43,8 +43,10 @@ class Learner:
         temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.actor = Actor(cfg.actor, arch, hf_dir, build, total, norm_length=cfg.rollout.max_response_tokens,
                            temperature=temperature)
+        # Under R3 the reference replays the engines' routes too; under R2 it routes for itself.
         self.reference = (PolicyModel(arch, hf_dir, build, cfg.actor.max_tokens_per_microbatch,
-                                      fused_logprob=cfg.actor.use_fused_logprob, temperature=temperature)
+                                      fused_logprob=cfg.actor.use_fused_logprob, temperature=temperature,
+                                      routing_replay="R3" if cfg.actor.moe.routing_replay == "R3" else "none")
                           if cfg.actor.kl_loss_coef > 0 else None)
         self.critic = (Critic(cfg.critic, cfg.actor, arch, hf_dir, build, total, norm_length=cfg.rollout.max_response_tokens)
                        if with_critic else None)
@@ -76,10 +78,12 @@ class Learner:
         # batch before the update.
         tis_in_update = on_policy and set(correction) == {"tis_cap"}
         old = None
+        engine_routes_agreement = None  # R3: the trainer's router against the engines' routes
         # On-policy, the update's own forward gives them; a correction needs them before the update.
         if (correction and not tis_in_update) or not on_policy:
             old = self.actor.compute_log_probs(batch, with_entropy=True)
-            batch = batch.with_fields(old_log_probs=old["log_probs"], routes=old.get("routes"))
+            engine_routes_agreement = old.pop("routing_agreement", None)
+            batch = batch.with_fields(old_log_probs=old["log_probs"], routes=old.get("routes", batch.routes))
         if self.reference is not None:
             batch = batch.with_fields(ref_log_probs=self.reference.compute_log_probs(batch)["log_probs"])
         if self.critic is not None:
@@ -113,6 +117,13 @@ class Learner:
         else:
             update = self.actor.update(batch)
         metrics.update(update)
+        if self.actor.routing_replay == "R3":
+            # Measured in the forward on the weights that sampled the batch: the old-log-prob pass,
+            # or on-policy the update's single forward (both replay the engines' routes).
+            agreement = engine_routes_agreement if not tis_in_update and old is not None else update.get(
+                "moe/routing_agreement")
+            if agreement is not None:
+                metrics["rollout/routing_agreement"] = agreement
         if self.critic is not None:
             metrics.update(self.critic.update(batch))
         self._stop_if_diverging(metrics, step_scores)

@@ -1,5 +1,6 @@
-"""A MoE model's routes: recorded in one pass, replayed in another (routing replay, R2), and the
-per-step routing metrics (agreement with the replayed routes, expert load per layer, aux loss).
+"""A MoE model's routes: recorded in one pass and replayed in another (routing replay R2), or the
+engines' replayed (R3), and the per-step routing metrics (agreement with the replayed routes,
+expert load per layer, aux loss).
 
 Routes are kept per token of the batch ([B, T, layers, top-k], aligned like the log-probs), and a
 pass looks up its micro-batch's by the micro-batch's own attention inputs, so replay holds under any
@@ -23,10 +24,12 @@ NO_ROUTE = -1  # a position no batch token sits at (pack padding): the router's 
 @dataclass
 class RoutePass:
     """What one pass over a plan does with routes: `record` them, or `replay` the given ones
-    ([rows of the batch the plan cuts, T, layers, top-k])."""
+    ([rows of the batch the plan cuts, T, layers, top-k]); the router's agreement with the replayed
+    routes is counted on the tokens `compared_on` marks ([rows, T] bool; None: every token)."""
 
     record: bool = False
     replay: Optional[torch.Tensor] = None
+    compared_on: Optional[torch.Tensor] = None
 
 
 class _LayerRouter:
@@ -100,7 +103,9 @@ class RouterTaps:
                       "tokens": [self._token_positions(mb)[pos].to(device) for mb, pos in zip(micro_batches, local)],
                       "record": {} if routes.record else None, "counted": set(),
                       "replay": None if routes.replay is None else
-                      [self._packed_routes(mb, routes.replay)[pos].to(device) for mb, pos in zip(micro_batches, local)]}
+                      [self._packed(mb, routes.replay, NO_ROUTE)[pos].to(device) for mb, pos in zip(micro_batches, local)],
+                      "compared": None if routes.replay is None or routes.compared_on is None else
+                      [self._packed(mb, routes.compared_on, False)[pos].to(device) for mb, pos in zip(micro_batches, local)]}
         try:
             yield
         finally:
@@ -123,7 +128,7 @@ class RouterTaps:
             known = (target != NO_ROUTE).all(-1)
             chosen = torch.where(known[:, None], target, own)
             if first:
-                compared = known & tokens
+                compared = known & (tokens if state["compared"] is None else state["compared"][mb])
                 same = (own.sort(-1).values == target.sort(-1).values).all(-1) & compared
                 self.agreement[layer] += torch.stack([same.sum(), compared.sum()]).double()
         if state["record"] is not None:
@@ -151,13 +156,13 @@ class RouterTaps:
         tokens[mb.gather_index[mb.token_valid].cpu()] = True
         return tokens
 
-    def _packed_routes(self, mb: PackedMicroBatch, routes: torch.Tensor) -> torch.Tensor:
-        """[L, layers, top-k] routes at the pack's positions from per-token ones."""
+    def _packed(self, mb: PackedMicroBatch, values: torch.Tensor, fill) -> torch.Tensor:
+        """[L, ...] values at the pack's positions from per-token ones ([B, T, ...]); `fill` elsewhere."""
         length = self._token_positions(mb).shape[0]
-        packed = torch.full((length, self.num_layers, self.top_k), NO_ROUTE, dtype=routes.dtype)
+        packed = torch.full((length, *values.shape[2:]), fill, dtype=values.dtype)
         if mb.rows:
             valid = mb.token_valid.cpu()
-            packed[mb.gather_index.cpu()[valid]] = routes[mb.rows, : valid.shape[1]][valid]
+            packed[mb.gather_index.cpu()[valid]] = values[mb.rows, : valid.shape[1]][valid]
         return packed
 
     def recorded(self, shape: tuple[int, int]) -> torch.Tensor:

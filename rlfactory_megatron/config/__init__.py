@@ -52,7 +52,7 @@ def closed_sets(cfg) -> dict[str, Collection[str]]:
         "model.layer_spec": LAYER_SPECS,
         "model.moe.load_balancing": ("none", "aux_loss", "seq_aux_loss"),
         "model.moe.router_dtype": ("fp32", "fp64"),
-        "actor.moe.routing_replay": ("none", "R2"),  # R3 (the engine's routes) comes with the engine side
+        "actor.moe.routing_replay": ("none", "R2", "R3"),
         "actor.policy_loss": POLICY_LOSSES,
         "actor.kl_penalty": KL_PENALTIES,
         "actor.loss_agg_mode": LOSS_AGGREGATIONS,

@@ -84,9 +84,11 @@ class RolloutCorrectionConfig:
 
 @dataclass
 class ActorMoEConfig:
-    # none | R2: the old-log-prob pass records the routes each token takes in each MoE layer and
-    # every forward of the update replays them, so the PPO ratio compares one expert choice
-    # (docs/moe.md). R3 (the engine's routes) is not built yet.
+    # none | R2 | R3: R2, the old-log-prob pass records the routes each token takes in each MoE
+    # layer and every forward of the update replays them, so the PPO ratio compares one expert
+    # choice; R3, the engines record the routes they sampled with (prefix caching off), which come
+    # back with each trajectory, are stored with it and are replayed in every trainer forward
+    # (docs/moe.md).
     routing_replay: str = "none"
 
 

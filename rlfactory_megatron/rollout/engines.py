@@ -169,10 +169,15 @@ class VLLMEngine:
         self.llm = LLM(model=self.hf_dir, skip_tokenizer_init=runner == "generate", runner=runner, dtype=dtype,
                        tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
                        max_num_seqs=max_num_seqs, gpu_memory_utilization=memory_utilization, seed=seed,
-                       enforce_eager=on_cpu, enable_sleep_mode=enable_sleep_mode,
+                       # Our route hook runs in Python, which a captured CUDA graph replays without.
+                       enforce_eager=on_cpu or record_routes, enable_sleep_mode=enable_sleep_mode,
                        # log-probs of the tempered (and top-k/top-p renormalized) distribution sampled
                        # from: what the trainer's log-probs at rollout.temperature are compared with
-                       logprobs_mode="processed_logprobs", **chunking, **executor)
+                       logprobs_mode="processed_logprobs",
+                       # A prefix-cache hit skips its positions' forward, and the routes with it: an
+                       # engine recording routes computes every position of every request (a turn
+                       # recomputes the conversation before it, as after a weight sync's cache reset).
+                       enable_prefix_caching=not record_routes, **chunking, **executor)
         # The engine core's process (and its workers) end with this one, even when it is SIGKILLed.
         self._reaper = Reaper(new_children(started_before))
         self._request_counter = 0

@@ -158,7 +158,8 @@ class EngineFleet:
         engine_args = dict(dtype=cfg.model.params_dtype, tensor_parallel_size=cfg.rollout.tp,
                            max_model_len=cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens,
                            max_num_seqs=cfg.rollout.max_num_seqs, memory_utilization=cfg.rollout.gpu_memory_utilization,
-                           seed=cfg.trainer.seed, batch_invariant=cfg.rollout.batch_invariant)
+                           seed=cfg.trainer.seed, batch_invariant=cfg.rollout.batch_invariant,
+                           record_routes=cfg.actor.moe.routing_replay == "R3")  # R3 replays the engines' routes
         if self.disaggregated:
             if not ray.is_initialized():
                 ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)

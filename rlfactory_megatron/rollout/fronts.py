@@ -17,6 +17,7 @@ import itertools
 import time
 from dataclasses import dataclass
 
+from rlfactory_megatron.envs.agent_loop import Completion
 from rlfactory_megatron.rollout.engines import RolloutEngine, SamplingConfig
 
 
@@ -62,7 +63,7 @@ class _Request:
 
 
 class BatchingFront:
-    """`await generate(prompt_token_ids, sampling) -> (token_ids, log_probs)` on top of a
+    """`await generate(prompt_token_ids, sampling) -> Completion` (`(token_ids, log_probs)`) on top of a
     synchronous batched `engine.generate(prompts, SamplingConfig)`.
 
     The first waiting request opens a window of `window_s`; everything that arrives before it
@@ -86,7 +87,7 @@ class BatchingFront:
         self._full: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
 
-    async def generate(self, prompt_token_ids: list[int], sampling: SamplingConfig) -> tuple[list[int], list[float]]:
+    async def generate(self, prompt_token_ids: list[int], sampling: SamplingConfig) -> Completion:
         config = _one_sample(sampling)
         if self._worker is None or self._worker.done():
             # First call, or the previous event loop is gone (and with it its waiting callers).
@@ -141,7 +142,9 @@ class BatchingFront:
         for request, samples in zip(group, outputs):
             cap = request.sampling.max_tokens
             if not request.done.done():  # its caller may have been cancelled meanwhile
-                request.done.set_result((list(samples[0].token_ids[:cap]), list(samples[0].log_probs[:cap])))
+                sample, fed = samples[0], len(request.prompt) + cap - 1  # positions of the capped sequence but its last
+                request.done.set_result(Completion(sample.token_ids[:cap], sample.log_probs[:cap],
+                                                   None if sample.routes is None else sample.routes[:fed]))
 
 
 async def _cancelled(task: asyncio.Task | None) -> None:
@@ -159,7 +162,7 @@ def _group_by_sampling(batch: list[_Request]) -> list[list[_Request]]:
 
 
 class StreamingFront:
-    """`await generate(prompt_token_ids, sampling) -> (token_ids, log_probs)` on an engine that
+    """`await generate(prompt_token_ids, sampling) -> Completion` (`(token_ids, log_probs)`) on an engine that
     takes requests one by one (`submit`) and runs them in steps (`step` -> the finished ones).
 
     One task steps the engine in a worker thread while any request runs (the event loop keeps
@@ -190,7 +193,7 @@ class StreamingFront:
         self._held = False  # between interrupt() and release(): no request runs
         self._interrupting: list[asyncio.Future] = []  # interrupt() calls waiting for the engine to empty
 
-    async def generate(self, prompt_token_ids: list[int], sampling: SamplingConfig) -> tuple[list[int], list[float]]:
+    async def generate(self, prompt_token_ids: list[int], sampling: SamplingConfig) -> Completion:
         config = _one_sample(sampling)
         if self.failure is not None:
             raise self.failure
@@ -332,7 +335,7 @@ class StreamingFront:
                     continue
                 self.requests += 1
                 if not request.done.done():  # its caller may have been cancelled meanwhile
-                    request.done.set_result((list(generation.token_ids), list(generation.log_probs)))
+                    request.done.set_result(Completion(generation.token_ids, generation.log_probs, generation.routes))
 
     def _step_thread(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._thread is None:
@@ -365,7 +368,7 @@ class StreamingFront:
 
 
 class RemoteFront:
-    """`await generate(prompt_token_ids, sampling) -> (token_ids, log_probs)` on an engine that
+    """`await generate(prompt_token_ids, sampling) -> Completion` (`(token_ids, log_probs)`) on an engine that
     streams on its own side: `engine.stream(prompts, samplings)` is an async iterator of
     `(index, result)` in the order the requests finish, `result` being `(token_ids, log_probs)` or
     the exception that request raised (a Ray-hosted engine: one actor call per batch, one streamed
@@ -393,7 +396,7 @@ class RemoteFront:
         self._busy_since = 0.0
         self._held = False  # between interrupt() and release()
 
-    async def generate(self, prompt_token_ids: list[int], sampling: SamplingConfig) -> tuple[list[int], list[float]]:
+    async def generate(self, prompt_token_ids: list[int], sampling: SamplingConfig) -> Completion:
         config = _one_sample(sampling)
         if self._held:
             raise GenerationInterrupted([], [])
@@ -457,7 +460,7 @@ class RemoteFront:
                     request.done.set_exception(result)
                 else:
                     self.requests += 1
-                    request.done.set_result((list(result[0]), list(result[1])))
+                    request.done.set_result(Completion(*result, routes=getattr(result, "routes", None)))
             if left:
                 raise RuntimeError(f"the engine's stream ended without the results of {len(left)} requests")
         except asyncio.CancelledError:  # closing: its callers are cancelled with it

@@ -21,7 +21,8 @@ from rlfactory_megatron.actor.batch import RolloutBatch, dp_row_owners, pad_rows
 from rlfactory_megatron.rollout.engines import SamplingConfig
 from rlfactory_megatron.rollout.fleet import EngineFleet
 from rlfactory_megatron.rollout.prompts import PromptRecord, fit_prompt
-from rlfactory_megatron.rollout.rows import PendingRollout, Rollouts, RowData, RowSummary, TrainRows, tool_errors
+from rlfactory_megatron.rollout.rows import (PendingRollout, Rollouts, RowData, RowSummary, TrainRows, tool_errors,
+                                             with_engine_routes)
 from rlfactory_megatron.runtime.collectives import RankCollectives
 
 
@@ -312,7 +313,7 @@ class RolloutGenerator:
             start = len(r.prompt_ids)
             engine_log_probs[i, start:start + len(r.log_probs)] = torch.from_numpy(r.log_probs)
             engine_versions[i, start:start + len(r.versions)] = torch.from_numpy(r.versions).long()
-        return TrainRows(batch, engine_log_probs, engine_versions, rollouts, rows)
+        return TrainRows(with_engine_routes(batch, rows), engine_log_probs, engine_versions, rollouts, rows)
 
     def metrics(self, rollouts: Rollouts, version: int) -> dict[str, float]:
         """What the trainer logs of a step's rows (collective): their rewards and counts, and,

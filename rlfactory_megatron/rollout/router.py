@@ -21,7 +21,7 @@ import asyncio
 import dataclasses
 from typing import Callable
 
-from rlfactory_megatron.envs.agent_loop import Front
+from rlfactory_megatron.envs.agent_loop import Completion, Front, merge_routes
 from rlfactory_megatron.rollout.engines import SamplingConfig
 from rlfactory_megatron.rollout.fronts import EngineStepError, GenerationInterrupted
 
@@ -110,11 +110,12 @@ class EngineRouter:
         self._events()[0].set()
 
     async def generate_on(self, index: int, prompt_token_ids: list[int],
-                          sampling: SamplingConfig) -> tuple[list[int], list[float], list[tuple[int, int]]]:
-        """(token ids, log-probs, [(weight version, tokens)] of the engine calls that generated
-        them: one, or more when weight updates interrupted the request)."""
+                          sampling: SamplingConfig) -> tuple[Completion, list[tuple[int, int]]]:
+        """(the tokens, their log-probs and the engine's routes; [(weight version, tokens)] of the
+        engine calls that generated them: one, or more when weight updates interrupted the request,
+        whose routes are then its continuation's, which computes every position again)."""
         opened, idle = self._events()
-        ids, log_probs, spans = [], [], []
+        ids, log_probs, spans, routes = [], [], [], None
         self.outstanding[index] += 1
         try:
             while True:
@@ -127,8 +128,9 @@ class EngineRouter:
                 idle.clear()
                 interrupted = False
                 try:
-                    more, more_log_probs = await self.fronts[index].generate(
-                        prompt_token_ids + ids, _continued(sampling, len(ids)))
+                    done = await self.fronts[index].generate(prompt_token_ids + ids, _continued(sampling, len(ids)))
+                    routes = merge_routes(routes, getattr(done, "routes", None))
+                    more, more_log_probs = done
                 except GenerationInterrupted as cut:
                     if self._pauses == pauses:  # no weight update asked for it: the engine is stuck in one
                         raise EngineStepError(f"engine {index} cut a request with no weight update under way") from cut
@@ -142,7 +144,7 @@ class EngineRouter:
                 if more or not interrupted:
                     spans.append((version, len(more)))
                 if not interrupted or len(ids) >= sampling.max_tokens:
-                    return ids, log_probs, spans
+                    return Completion(ids, log_probs, routes), spans
         finally:
             self.outstanding[index] -= 1
 
@@ -164,20 +166,20 @@ class Session:
         self.engine_index: int | None = None  # the engine this trajectory's turns go to
         self.calls: list[tuple[int, int, int]] = []  # (engine index, weight version, tokens) per engine call, in order
 
-    async def generate(self, prompt_token_ids: list[int], sampling: SamplingConfig) -> tuple[list[int], list[float]]:
+    async def generate(self, prompt_token_ids: list[int], sampling: SamplingConfig) -> Completion:
         while True:
             if self.engine_index is None or self.engine_index in self.router.failed:
                 # Chosen and counted before the first await: concurrent first turns spread out.
                 self.engine_index = self.router.least_loaded()
             try:
-                ids, log_probs, spans = await self.router.generate_on(self.engine_index, prompt_token_ids, sampling)
+                done, spans = await self.router.generate_on(self.engine_index, prompt_token_ids, sampling)
             except Exception as exc:
                 if not self.router.is_failure(exc):
                     raise
                 self.router.fail(self.engine_index, exc)  # and the request runs again on another engine
                 continue
             self.calls += [(self.engine_index, version, tokens) for version, tokens in spans]
-            return ids, log_probs
+            return done
 
     def token_versions(self, generated: int) -> list[int]:
         """The weight version of each of the first `generated` tokens this session generated."""

@@ -46,6 +46,24 @@ class RowData:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # as the store keeps them
     stop_reason: str = ""
     turns: int = 0
+    # The engine's routes of each position but the last ([tokens - 1, layers, top-k] int16, -1
+    # where unknown) under routing replay R3, else None.
+    routes: np.ndarray | None = None
+
+
+def with_engine_routes(batch: RolloutBatch, rows: list[RowData]) -> RolloutBatch:
+    """`batch` (of `rows`, in order) with the engines' routes of its rows when they carry them
+    (routing replay R3), aligned like the log-probs: at token t the routes of position t - 1."""
+    recorded = [r.routes for r in rows if r.routes is not None]
+    if not recorded:
+        return batch
+    from rlfactory_megatron.actor.routing import NO_ROUTE
+
+    routes = torch.full((*batch.input_ids.shape, *recorded[0].shape[1:]), NO_ROUTE, dtype=torch.int16)
+    for i, r in enumerate(rows):
+        if r.routes is not None:
+            routes[i, 1:1 + len(r.routes)] = torch.from_numpy(r.routes)
+    return batch.with_fields(routes=routes)
 
 
 # Tool failures counted per kind in the metrics (tools/errors/<kind>); others count as "other".
@@ -88,9 +106,11 @@ class Rollouts:
         calls = [{"turn": t, "name": c.name, "arguments": c.arguments, "observation": c.observation,
                   "is_error": c.is_error, "latency_s": c.latency_s}
                  for t, turn in enumerate(traj.turns) for c in turn.tool_calls]
+        fed = len(traj.prompt_ids) + len(traj.response_ids) - 1
+        routes = None if traj.routes is None else traj.routes[:fed]
         return RowData(row, np.asarray(traj.prompt_ids, dtype=np.int64), np.asarray(traj.response_ids, dtype=np.int64),
                        mask, np.asarray(traj.logprobs, dtype=np.float32), versions, calls, traj.stop_reason,
-                       len(traj.turns))
+                       len(traj.turns), routes)
 
     def stored_record(self, data: RowData, step: int, advantages: np.ndarray):
         """A row as the rollout store keeps it, from its data (on any rank: every rank knows each
@@ -101,7 +121,7 @@ class Rollouts:
         return RolloutRecord(
             step, f"{row:05d}", data.prompt_ids, data.response_ids, data.loss_mask, data.log_probs, advantages,
             float(self.reward.scores[row]), data.tool_calls,
-            {"data_source": record.data_source, "ground_truth": str(record.ground_truth),
+            routes=data.routes, metadata={"data_source": record.data_source, "ground_truth": str(record.ground_truth),
              "group": row // self.group_size, "stop_reason": data.stop_reason, "turns": data.turns,
              "reward_error": self.reward.errors[row], "weight_versions": _runs(data.versions[data.loss_mask > 0].tolist()),
              **_model_reward(self.reward.extras[row])})

