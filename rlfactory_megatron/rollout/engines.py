@@ -250,7 +250,7 @@ class VLLMEngine:
         return [list(output.outputs.probs) for output in outputs]
 
     # Streaming: requests join and leave the running batch between engine steps (what
-    # `rollout.async_engine.StreamingFront` drives). Not thread-safe, like `generate`: one caller.
+    # `rollout.fronts.StreamingFront` drives). Not thread-safe, like `generate`: one caller.
 
     def submit(self, request_id: str, prompt: list[int], sampling: SamplingConfig) -> None:
         """Adds one request (of `sampling.n == 1`, seeded by `sampling.seed`) to the running batch."""
