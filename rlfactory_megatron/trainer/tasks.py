@@ -87,14 +87,13 @@ TASKS.register("calculator_arithmetic", Task(calculator_arithmetic, calculator_d
 # within a short SFT; one line with no ": ", so that it passes as a command-line override.
 CALCULATOR_JUDGE_TEMPLATE = "Answer {response} Reference {ground_truth}"
 # The end-of-turn marker a Qwen-format policy's response text keeps after each of its turns (the
-# generator decodes the generated tokens, stop tokens included).
+# generator decodes the generated tokens, stop tokens included); half the judge's examples have it.
 QWEN_TURN_END = "<|im_end|>"
 
 
 def calculator_response(record: PromptRecord, rng: random.Random) -> str:
-    """A response to a calculator prompt as the policy writes them: with or without the tool call,
-    half of them right; a wrong one mostly has the right answer's number of digits (a tiny policy's
-    guesses do: a judge that only checks the length passes them), now and then no answer line."""
+    """A response to a calculator prompt as the policy writes them: with or without the tool call
+    and the end-of-turn markers, half of them right, now and then with no answer line."""
     truth = int(record.ground_truth)
     turns = []
     if rng.random() < 0.5:
@@ -103,20 +102,18 @@ def calculator_response(record: PromptRecord, rng: random.Random) -> str:
             a = str(int(a) + rng.choice([-10, -1, 1, 10]))
         turns.append("<tool_call>\n" + json.dumps({"name": "calculator", "arguments": {"expression": a + op + b}})
                      + "\n</tool_call>")
-    kind, digits = rng.random(), str(abs(truth))
+    kind = rng.random()
     if kind < 0.5:
         answer = truth
-    elif kind < 0.65:  # one digit wrong
-        i = rng.randrange(len(digits))
-        answer = int(digits[:i] + rng.choice([d for d in "0123456789" if d != digits[i]]) + digits[i + 1:])
-        answer = -answer if truth < 0 else answer
-    elif kind < 0.9:  # another number of as many digits
-        answer = rng.randint(10 ** (len(digits) - 1) if len(digits) > 1 else 0, 10 ** len(digits) - 1)
-        answer = -answer if truth < 0 else answer
+    elif kind < 0.7:
+        answer = truth + rng.choice([-100, -10, -2, -1, 1, 2, 10, 100])
+    elif kind < 0.8:
+        answer = -truth if truth else 1
     else:
-        answer = rng.choice([-truth, rng.randint(-99, 9801)])
+        answer = rng.randint(-99, 9801)
     turns.append(f"#### {answer}" if rng.random() > 0.05 else str(answer))
-    return "".join(turn + QWEN_TURN_END for turn in turns)
+    end = QWEN_TURN_END if rng.random() < 0.5 else ""
+    return "".join(turn + end for turn in turns)
 
 
 def calculator_judge(count: int, seed: int) -> list[PromptRecord]:
