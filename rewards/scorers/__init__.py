@@ -3,13 +3,13 @@ from collections.abc import Callable
 from typing import Any
 
 from rlfactory_megatron.registry import Registry
-from rlfactory_megatron.rewards.scorers import geo3k, gsm8k, math, search_qa, tool_format
+from rlfactory_megatron.rewards.scorers import geo3k, gsm8k, judge_reply, math, search_qa, tool_format
 
 Scorer = Callable[..., float | dict]
 
 SCORERS: Registry[Scorer] = Registry("reward scorer")
 for _name, _module in (("gsm8k", gsm8k), ("math", math), ("geo3k", geo3k), ("search_qa", search_qa),
-                       ("tool_format", tool_format)):
+                       ("tool_format", tool_format), ("judge_reply", judge_reply)):
     SCORERS.register(_name, _module.score)
 
 # Dataset names as they appear in the `data_source` column of common RL datasets.

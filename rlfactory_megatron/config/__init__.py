@@ -12,13 +12,13 @@ from rlfactory_megatron.config.schema import MoEConfig, RLFConfig
 
 DEFAULT_CONFIG = Path(__file__).with_name("default.yaml")
 POSITIVE_INTS = ("parallel.tp", "parallel.pp", "parallel.cp", "parallel.ep", "rollout.n", "rollout.tp", "actor.ppo_epochs",
-                 "actor.mini_batch_size", "actor.max_tokens_per_microbatch", "trainer.total_steps",
+                 "actor.mini_batch_size", "actor.max_tokens_per_microbatch",
                  "trainer.prompts_per_step", "weight_sync.bucket_mb", "tools.max_turns", "trainer.sft_batch_size",
                  "trainer.max_skipped_updates", "rollout.max_prompt_tokens", "rollout.max_response_tokens",
                  "tools.tool_response_max_tokens", "tools.num_workers", "tools.max_concurrency", "reward.num_workers",
                  "critic.ppo_epochs", "trainer.keep_last", "cache.tool_cache_max_mb", "logging.log_every",
                  "rollout.max_num_seqs", "reward.remote.max_concurrency", "reward.model.max_tokens")
-NON_NEGATIVE = ("model.moe.aux_loss_coeff", "model.moe.z_loss_coeff", "trainer.save_every", "trainer.val_every", "trainer.val_prompts", "trainer.sft_steps", "trainer.max_refill_rounds",
+NON_NEGATIVE = ("trainer.total_steps", "model.moe.aux_loss_coeff", "model.moe.z_loss_coeff", "trainer.save_every", "trainer.val_every", "trainer.val_prompts", "trainer.sft_steps", "trainer.max_refill_rounds",
                 "trainer.max_staleness",
                 "actor.optim.warmup_steps", "critic.optim.warmup_steps", "actor.optim.min_lr", "critic.optim.min_lr",
                 "actor.optim.weight_decay", "critic.optim.weight_decay", "actor.optim.clip_grad", "reward.remote.max_retries",

@@ -266,7 +266,9 @@ class CacheConfig:
 @dataclass
 class TrainerConfig:
     algorithm: str = "grpo"  # ppo | grpo | dapo | gspo | reinforce_pp | rloo
-    total_steps: int = 20  # RL steps
+    # RL steps; 0: the SFT warm-start alone, saved as checkpoint 0 (its hf/ folder: a model taught
+    # at run time, e.g. a judge on trainer.task=calculator_judge, docs/rewards.md)
+    total_steps: int = 20
     prompts_per_step: int = 8  # prompts per step (each sampled rollout.n times)
     seed: int = 1234  # every RNG, prompt order and each sample's sampling seed (from seed, step, row)
     output_dir: str = "outputs/default"  # metrics, TensorBoard, checkpoints, cache, logs

@@ -45,6 +45,7 @@ class RolloutGenerator:
         # Every rank creates the engine processes' group (torch requires it), only they use it.
         self.owner_group = collectives.subgroup(layout.owners)
         self.tool_pool = self.reward_pool = self.judge = self.rollout_store = self.artifacts = None
+        self.rule_validates = False  # validation scored by the rule alone, though a judge scores training
         self.tool_schemas: list[dict] | None = None
         # The ranks of each DP rank (all of its TP and PP ranks train on the same rows).
         self.dp_rank = parallel_state.get_data_parallel_rank()
@@ -81,7 +82,10 @@ class RolloutGenerator:
         # A judge on our engines scores on this process's event loop (as each trajectory ends); its
         # replies share the tool-result cache, under the judge's own name.
         self.judge = start_judge(cfg, self.fleet.layout, self.artifacts)
-        if self.judge is None or self.combine.uses_rule:
+        # Held-out accuracy stays the rule's where the run names one: the judge's score trains,
+        # the rule measures (a judge's mistakes would otherwise count as accuracy).
+        self.rule_validates = self.judge is not None and bool(cfg.reward.scorer or cfg.reward.custom_function_path)
+        if self.judge is None or self.combine.uses_rule or self.rule_validates:
             self.reward_pool = RewardPool(cfg.reward.manager, RewardFnSpec.from_config(cfg.reward),
                                           manager_options=dict(cfg.reward.manager_options),
                                           num_workers=cfg.reward.num_workers, sample_timeout_s=cfg.reward.timeout_s,
@@ -186,9 +190,12 @@ class RolloutGenerator:
             from rlfactory_megatron.rewards.combine import CombinedFuture
 
             samples = self._reward_samples(rollouts, sorted(local))
-            rule = self.reward_pool.submit(samples) if self.reward_pool is not None else None
-            rollouts.reward_future = rule if self.judge is None else CombinedFuture(
-                samples, rule, [judged[row] for row in sorted(local)], self.combine.load())
+            if not self._judges(pending.greedy):
+                rollouts.reward_future = self.reward_pool.submit(samples)
+            else:
+                rule = self.reward_pool.submit(samples) if self.combine.uses_rule else None
+                rollouts.reward_future = CombinedFuture(samples, rule, [judged[row] for row in sorted(local)],
+                                                        self.combine.load())
         return rollouts
 
     async def _generate(self, pending: PendingRollout):
@@ -223,14 +230,14 @@ class RolloutGenerator:
                 prompts[row // n], sessions[row], self.manager, run_tool,
                 sampling if greedy else dataclasses.replace(sampling, seed=self.sample_seed(step, first_row + row)),
                 loop_cfg, barrier)
-            if self.judge is not None and self.judge.spec.overlaps_generation:
+            if self._judges(greedy) and self.judge.spec.overlaps_generation:
                 judging[row] = asyncio.ensure_future(self._judged(_reward_sample(records[row // n], traj,
                                                                                  self._text(traj))))
             return traj
 
         trajectories = await asyncio.gather(*(trajectory(row) for row in mine))
         judged = {}
-        if self.judge is not None:
+        if self._judges(greedy):
             judged = await self._judge_phase({row: _reward_sample(records[row // n], traj, self._text(traj))
                                               for row, traj in zip(mine, trajectories) if row not in judging}, judging)
         local, summaries, versions = {}, [], {}
@@ -256,6 +263,10 @@ class RolloutGenerator:
                  for index, (front, busy, calls, tokens, version)
                  in enumerate(zip(fronts, busy_before, requests, generated, newest))]
         return local, summaries, stats, versions, judged
+
+    def _judges(self, greedy: bool) -> bool:
+        """Whether the judge scores a phase's trajectories (greedy: validation's)."""
+        return self.judge is not None and not (greedy and self.rule_validates)
 
     def _text(self, traj) -> str:
         """A trajectory's response as text: the tokens the policy generated (observations left out)."""

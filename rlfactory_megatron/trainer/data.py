@@ -59,7 +59,7 @@ def run_records(cfg) -> tuple[list[PromptRecord], list[PromptRecord]]:
         held = min(cfg.val_prompts, len(records) // 2)
         return records[: len(records) - held], records[len(records) - held:]
     task = TASKS.get(cfg.task)
-    train = task.records(512, cfg.seed)
+    train = task.records(task.train_prompts, cfg.seed)
     seen = {json.dumps(r.messages) for r in train}
     fresh = [r for r in task.records(2 * cfg.val_prompts + 64, cfg.seed + 1) if json.dumps(r.messages) not in seen]
     for name, records in (("training", train), ("validation", fresh)):

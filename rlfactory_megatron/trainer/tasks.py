@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ class Task:
     make_records: Callable[[int, int], list[PromptRecord]]  # (count, seed) -> prompts with ground truth
     demonstration: Callable[[PromptRecord], list[dict]]  # the assistant/tool turns a good policy produces
     tools: tuple[dict, ...]  # tool pool entries ({"class": ...}) the task needs
+    train_prompts: int = 512  # the training prompts a run draws (the held-out ones are a fresh draw)
 
     def records(self, count: int, seed: int) -> list[PromptRecord]:
         """Prompts with ground truth and their demonstrations attached."""
@@ -78,6 +80,64 @@ def calculator_demonstration(record: PromptRecord) -> list[dict]:
 # A short tool description: the tiny model reads the whole schema in every prompt.
 TASKS.register("calculator_arithmetic", Task(calculator_arithmetic, calculator_demonstration, tools=(
     {"class": "calculator", "description": "Evaluate an arithmetic expression."},)))
+
+
+# The template a judge taught on trainer.task=calculator_judge reads (reward.model.template of the
+# run it judges): short, so that the tiny model learns to compare the answer with the reference
+# within a short SFT; one line with no ": ", so that it passes as a command-line override.
+CALCULATOR_JUDGE_TEMPLATE = "Answer {response} Reference {ground_truth}"
+# The end-of-turn marker a Qwen-format policy's response text keeps after each of its turns (the
+# generator decodes the generated tokens, stop tokens included); half the judge's examples have it.
+QWEN_TURN_END = "<|im_end|>"
+
+
+def calculator_response(record: PromptRecord, rng: random.Random) -> str:
+    """A response to a calculator prompt as the policy writes them: with or without the tool call
+    and the end-of-turn markers, half of them right, now and then with no answer line."""
+    truth = int(record.ground_truth)
+    turns = []
+    if rng.random() < 0.5:
+        a, op, b = re.fullmatch(r"(\d+)([-+*])(\d+)", record.extra["expression"]).groups()
+        if rng.random() < 0.2:  # a miscopied operand
+            a = str(int(a) + rng.choice([-10, -1, 1, 10]))
+        turns.append("<tool_call>\n" + json.dumps({"name": "calculator", "arguments": {"expression": a + op + b}})
+                     + "\n</tool_call>")
+    kind = rng.random()
+    if kind < 0.5:
+        answer = truth
+    elif kind < 0.7:
+        answer = truth + rng.choice([-100, -10, -2, -1, 1, 2, 10, 100])
+    elif kind < 0.8:
+        answer = -truth if truth else 1
+    else:
+        answer = rng.randint(-99, 9801)
+    turns.append(f"#### {answer}" if rng.random() > 0.05 else str(answer))
+    end = QWEN_TURN_END if rng.random() < 0.5 else ""
+    return "".join(turn + end for turn in turns)
+
+
+def calculator_judge(count: int, seed: int) -> list[PromptRecord]:
+    """Judge prompts (CALCULATOR_JUDGE_TEMPLATE) over responses to the calculator task, labelled
+    by the rule that scores that task (gsm8k, strict): ground truth "1" or "0"."""
+    from rlfactory_megatron.rewards.judge import JudgePrompt
+    from rlfactory_megatron.rewards.records import RewardSample
+    from rlfactory_megatron.rewards.scorers import get_scorer
+
+    rule, prompt = get_scorer("gsm8k"), JudgePrompt(CALCULATOR_JUDGE_TEMPLATE)
+    rng = random.Random(f"{seed}:responses")
+    records = []
+    for task in calculator_arithmetic(count, seed):
+        response = calculator_response(task, rng)
+        label = int(rule(response, task.ground_truth))
+        sample = RewardSample(task.data_source, response, task.ground_truth, prompt=task.messages[-1]["content"])
+        records.append(PromptRecord(messages=prompt.messages(sample), ground_truth=str(label),
+                                    data_source="calculator_judge", extra={"response": response}))
+    return records
+
+
+TASKS.register("calculator_judge", Task(
+    calculator_judge, lambda record: [{"role": "assistant", "content": f"<score>{record.ground_truth}</score>"}],
+    tools=(), train_prompts=8192))  # a fresh response at nearly every draw of a warm-start: the judge generalizes
 
 
 def run_tool_specs(cfg) -> list[ToolSpec]:

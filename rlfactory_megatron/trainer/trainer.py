@@ -31,7 +31,7 @@ from rlfactory_megatron.runtime.stop import StopRequest
 from rlfactory_megatron.trainer.data import PromptSampler, run_records
 from rlfactory_megatron.trainer.logger import MetricsLogger, wandb_settings
 from rlfactory_megatron.trainer.presets import ALGORITHM_PRESETS, trains_critic
-from rlfactory_megatron.trainer.checkpoint import checkpoint_dir, load_checkpoint, resume_directory, save_checkpoint
+from rlfactory_megatron.trainer.checkpoint import HF_DIR, checkpoint_dir, load_checkpoint, resume_directory, save_checkpoint
 from rlfactory_megatron.trainer.sft import demonstration_rows, sft_warm_start
 from rlfactory_megatron.trainer.tasks import run_tool_specs
 from rlfactory_megatron.trainer.warm_start_cache import WarmStartCache, warm_start_key
@@ -162,6 +162,11 @@ class Trainer:
                     self.save_checkpoint()
                 if self._stopped(stop, saved):
                     break
+            if self.cfg.trainer.total_steps == 0:  # the warm-start is the run's result
+                directory = self.save_checkpoint()
+                if self.is_leader:
+                    model = directory / HF_DIR if self.cfg.trainer.save_hf else directory
+                    print(f"rlf-train: no RL steps (trainer.total_steps=0); the warm-started model: {model}", flush=True)
         return last
 
     def _stopped(self, stop: StopRequest, saved: bool) -> bool:

@@ -127,6 +127,12 @@ def test_tool_format(response, kwargs, expected):
     assert get_scorer("tool_format")(response, None, **kwargs) == expected
 
 
+def test_judge_reply_agrees_with_the_label():
+    judge_reply = get_scorer("judge_reply")
+    assert [judge_reply(reply, label) for reply, label in (("<score>1</score>", "1"), ("<score> 0 </score>", "0"),
+                                                          ("<score>1</score>", "0"), ("1", "1"))] == [1.0, 1.0, 0.0, 0.0]
+
+
 def test_scorers_return_floats_and_document_their_rules():
     for name, scorer in SCORERS.items():
         assert "Rules" in (scorer.__doc__ or ""), name
