@@ -174,6 +174,20 @@ def test_moe_with_experts_over_two_ranks_trains_with_replay_syncs_exactly_and_sa
         assert ((r.routes >= 0) & (r.routes < 8)).all() and (r.routes[..., 0] != r.routes[..., 1]).all()
 
 
+def test_a_run_of_no_rl_steps_teaches_a_judge_saved_as_hf(tmp_path):
+    # docs/rewards.md's command teaching a judge (the built-in calculator_judge task, its replies
+    # validated against the rule's labels by judge_reply), at CPU scale: 4 SFT steps, 4 held-out prompts.
+    out = rlf_train(tmp_path, "judge", "trainer.task=calculator_judge", "trainer.total_steps=0", "tools.enable=false",
+                    "reward.scorer=judge_reply", "trainer.sft_steps=4", "trainer.sft_lr=1e-3",
+                    "trainer.sft_lr_decay_style=cosine", "trainer.val_prompts=4")
+    assert out.returncode == 0, out.stderr[-3000:]
+    judge = tmp_path / "judge" / "checkpoints" / "step_000000" / "hf"
+    assert f"the warm-started model: {judge}" in out.stdout and "SFT warm-start done (4 steps" in out.stdout
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in judge.iterdir()}
+    (record,) = records(tmp_path / "judge")  # validation before RL, nothing else
+    assert record["step"] == 0 and 0 <= record["val/score_mean"] <= 1
+
+
 def test_bad_config_fails_before_any_work(tmp_path):
     out = rlf_train(tmp_path, "bad", "trainer.algorithm=ppo3")
     assert out.returncode == 2 and "trainer.algorithm='ppo3' is not allowed" in out.stderr
