@@ -149,8 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + stopped_by
     if launch.rank == 0:
         final = results[0]["metrics"] or {}
+        reward = final.get("reward/score/mean")  # none without an RL step (trainer.total_steps=0)
         print(f"rlf-train: done. metrics: {output / 'metrics.jsonl'}, TensorBoard: {output / 'tensorboard'}, "
-              f"checkpoints: {output / 'checkpoints'}; last mean reward {final.get('reward/score/mean', float('nan')):.3f}")
+              f"checkpoints: {output / 'checkpoints'}" + ("" if reward is None else f"; last mean reward {reward:.3f}"))
     return 0
 
 

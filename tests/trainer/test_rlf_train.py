@@ -183,6 +183,7 @@ def test_a_run_of_no_rl_steps_teaches_a_judge_saved_as_hf(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     judge = tmp_path / "judge" / "checkpoints" / "step_000000" / "hf"
     assert f"the warm-started model: {judge}" in out.stdout and "SFT warm-start done (4 steps" in out.stdout
+    assert "rlf-train: done. metrics: " in out.stdout and "reward nan" not in out.stdout  # no RL step, no reward
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in judge.iterdir()}
     (record,) = records(tmp_path / "judge")  # validation before RL, nothing else
     assert record["step"] == 0 and 0 <= record["val/score_mean"] <= 1
