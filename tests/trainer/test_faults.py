@@ -23,7 +23,10 @@ FAULTS = Path(__file__).parent / "faults"
 def test_a_run_with_faulty_tools_and_rewards_trains_to_the_end(tmp_path):
     tools = tmp_path / "tools.yaml"
     tools.write_text("tools:\n  - class: rlf_faulty.FaultyCalculator\n")
-    env = dict(env_for(tmp_path), PYTHONPATH=str(FAULTS))  # Ray's tool and reward workers import it by name
+    hung = tmp_path / "hung"
+    hung.mkdir()
+    # Ray's tool and reward workers import rlf_faulty by name; its hung scorers say how many others hang beside them.
+    env = dict(env_for(tmp_path), PYTHONPATH=str(FAULTS), RLF_TEST_HUNG_DIR=str(hung))
     # A real warm-start (the tiny policy then calls the calculator), five RL steps of 8 x 8 samples.
     # The reward: the faulty rule plus a local chat judge that fails a share of its requests.
     judge = FaultyChatJudge(hang_s=3.0)
@@ -42,15 +45,12 @@ def test_a_run_with_faulty_tools_and_rewards_trains_to_the_end(tmp_path):
         for key in ("actor/pg_loss", "actor/entropy_old", "actor/grad_norm", "reward/score/mean"):
             assert math.isfinite(r[key]), (r["step"], key, r[key])
         assert r["actor/skipped_steps"] == 0  # no NaN reached the loss
-        # Hung samples run out their timeout (2 s) concurrently, each in a scoring process of its own:
-        # about one timeout per step (measured 3.5-5.0 s on a quiet box, up to 8.1 s on a loaded
-        # one), where one after another they would cost 2 s each (3-9 per step here: 6-18 s). What
-        # tells concurrent from serial is the bound on steps where enough samples hung for the
-        # difference to be large; no absolute bound, which a loaded host (a second test beside
-        # this one) would make a timing assert.
-        if r["reward/errors/timeout"] >= 6:
-            assert r["time/reward_wait_s"] < 2 * r["reward/errors/timeout"], (r["step"], r["time/reward_wait_s"])
         assert r["reward/errors"] == sum(r[f"reward/errors/{k}"] for k in ("raised", "invalid", "timeout", "crashed"))
+    # Hung samples run out their timeout concurrently, each in a scoring process of its own: some
+    # hung scorer found another alive beside it (one after another, none ever would). A count of
+    # live processes, not a wall-time bound, which a loaded host would break.
+    seen = [int(f.read_text()) for f in hung.glob("*.seen")]
+    assert len(seen) >= 2 and max(seen) >= 1, seen
     total = {key: sum(r[key] for r in steps) for key in steps[0] if key.startswith(("reward/errors/", "tools/errors/"))}
     for kind in ("raised", "invalid", "timeout", "crashed"):  # NaN, inf and the string are 'invalid'
         assert total[f"reward/errors/{kind}"] > 0, total

@@ -1,6 +1,7 @@
 """A calculator tool and a reward function that misbehave at random, in every way a real one can:
 for the fault test through the real `rlf-train` (Ray workers import this module by name)."""
 import asyncio
+import fcntl
 import math
 import os
 import random
@@ -41,7 +42,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info):
     if fault == "raise":
         raise ValueError("reward exploded")
     if fault == "hang":
-        time.sleep(3600)
+        _hang_counting_the_others()
     if fault == "exit":
         os._exit(4)
     if fault == "nan":
@@ -51,6 +52,32 @@ def compute_score(data_source, solution_str, ground_truth, extra_info):
     if fault == "string":
         return "1.0"
     return get_scorer("gsm8k")(solution_str, ground_truth)
+
+
+def _hang_counting_the_others() -> None:
+    """Hang until the pool kills this scoring process. Where RLF_TEST_HUNG_DIR names a folder, first
+    write how many other hung scorers are alive now: each holds an exclusive lock on a file of its
+    own, which the kernel drops when the process dies, so a lock held is a scorer alive. A pool that
+    scored hung samples one after another would never show one beside another, however loaded the
+    host: the fault test asserts concurrency by this count, not by wall time."""
+    folder = os.environ.get("RLF_TEST_HUNG_DIR")
+    if folder:
+        mine = f"{os.getpid()}.lock"
+        fd = os.open(os.path.join(folder, mine), os.O_CREAT | os.O_RDWR)  # kept open: the lock lives with us
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        alive = 0
+        for name in os.listdir(folder):
+            if name.endswith(".lock") and name != mine:
+                other = os.open(os.path.join(folder, name), os.O_RDWR)
+                try:
+                    fcntl.flock(other, fcntl.LOCK_SH | fcntl.LOCK_NB)  # checkers share; only a holder blocks
+                except BlockingIOError:
+                    alive += 1
+                finally:
+                    os.close(other)
+        with open(os.path.join(folder, f"{os.getpid()}.seen"), "w") as f:
+            f.write(str(alive))
+    time.sleep(3600)
 
 
 class EngineKillingCalculator(CalculatorTool):
