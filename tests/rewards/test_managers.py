@@ -119,6 +119,7 @@ def test_unknown_manager_and_options_are_config_errors():
         build_reward_manager("dapo", overlong_buffer_len=4)
 
 
+@pytest.mark.serial  # a bound on wall time: run alone (scripts/test.sh)
 def test_prime_times_out_and_survives_raising_and_crashing_samples(reward_fn_file):
     timeout = 1.0
     manager = build_reward_manager(
