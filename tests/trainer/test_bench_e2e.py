@@ -9,48 +9,36 @@ from console_scripts import BIN
 
 
 @pytest.mark.slow  # starts vLLM, Ray and a megatron actor; still part of the normal suite
-def test_bench_e2e_reports_both_sides(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", RLF_CACHE_HOME=str(tmp_path / "cache"))
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "RAY_ADDRESS"):
-        env.pop(var, None)
-    out = tmp_path / "e2e.json"
-    args = ["e2e", "--prompts", "2", "--n", "2", "--max-tokens", "16", "--warmup", "0", "--steps", "1",
-            "--target", "0", "--async", "--async-target", "0", "--out", str(out)]
-    run = subprocess.run([str(BIN / "rlf-bench"), *args], capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    report = json.loads(out.read_text())
-    for side in ("ours", "trl"):
-        assert report[side]["tokens_per_s"] > 0 and report[side]["completion_tokens_per_s"] > 0, report[side]
-        assert 0 < report[side]["completion_tokens_per_step"] <= 2 * 2 * 16
-    shares = report["ours"]["phase_shares"]
-    assert set(shares) == {"generate", "logprob", "reward_wait", "update", "sync", "other"}
-    assert abs(sum(shares.values()) - 1.0) < 1e-6 and shares["generate"] > 0 and shares["update"] > 0
-    assert report["ratio_tokens_per_s"] == report["ours"]["tokens_per_s"] / report["trl"]["tokens_per_s"]
-    assert "tokens/s (prompt+completion)" in run.stdout and "ratio ours/TRL" in run.stdout
-    assert "command: OMP_NUM_THREADS=1 rlf-bench e2e --prompts 2" in run.stdout
-    # --async: ours on a disaggregated engine, synchronously and one step off-policy.
-    runs = report["async"]
-    for name in ("synchronous", "asynchronous"):
-        assert runs[name]["tokens_per_s"] > 0 and runs[name]["phase_shares"]["update"] > 0
-    assert runs["ratio_tokens_per_s"] == runs["asynchronous"]["tokens_per_s"] / runs["synchronous"]["tokens_per_s"]
-    assert 0 <= runs["generation_hidden"] <= 1 and "ratio asynchronous/synchronous" in run.stdout
-
-
-@pytest.mark.slow
-def test_bench_e2e_longtail_workload(tmp_path):
+def test_bench_e2e_reports_both_sides_on_the_longtail_workload_and_async(tmp_path):
     """--workload longtail teaches the model its answer lengths, then runs both sides on it; each
-    side reports real vs computed tokens (TRL's padded batch computes at least the real ones)."""
+    side reports real vs computed tokens (TRL's padded batch computes at least the real ones).
+    --async in the same command (one benchmark process for both: each start costs ~10 CPU-s)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", RLF_CACHE_HOME=str(tmp_path / "cache"))
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "RAY_ADDRESS"):
         env.pop(var, None)
     out = tmp_path / "e2e.json"
     args = ["e2e", "--workload", "longtail", "--longtail-sft-steps", "3", "--longtail-mean", "8",
             "--prompts", "2", "--n", "2", "--max-tokens", "24", "--warmup", "0", "--steps", "1",
-            "--target", "0", "--out", str(out)]
+            "--target", "0", "--async", "--async-target", "0", "--out", str(out)]
     run = subprocess.run([str(BIN / "rlf-bench"), *args], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["settings"]["workload"] == "longtail" and report["settings"]["max_tokens"] == 24
+    for side in ("ours", "trl"):
+        assert report[side]["tokens_per_s"] > 0 and report[side]["completion_tokens_per_s"] > 0, report[side]
+        assert 0 < report[side]["completion_tokens_per_step"] <= 2 * 2 * 24
+    shares = report["ours"]["phase_shares"]
+    assert set(shares) == {"generate", "logprob", "reward_wait", "update", "sync", "other"}
+    assert abs(sum(shares.values()) - 1.0) < 1e-6 and shares["generate"] > 0 and shares["update"] > 0
+    assert report["ratio_tokens_per_s"] == report["ours"]["tokens_per_s"] / report["trl"]["tokens_per_s"]
+    assert "tokens/s (prompt+completion)" in run.stdout and "ratio ours/TRL" in run.stdout
+    assert "command: OMP_NUM_THREADS=1 rlf-bench e2e --workload longtail" in run.stdout
+    # --async: ours on a disaggregated engine, synchronously and one step off-policy.
+    runs = report["async"]
+    for name in ("synchronous", "asynchronous"):
+        assert runs[name]["tokens_per_s"] > 0 and runs[name]["phase_shares"]["update"] > 0
+    assert runs["ratio_tokens_per_s"] == runs["asynchronous"]["tokens_per_s"] / runs["synchronous"]["tokens_per_s"]
+    assert 0 <= runs["generation_hidden"] <= 1 and "ratio asynchronous/synchronous" in run.stdout
     taught = list((tmp_path / "cache" / "longtail").glob("*/config.json"))
     assert len(taught) == 1, "the taught model is kept in the cache for the next run"
     for side in ("ours", "trl"):
