@@ -16,6 +16,7 @@ for _name, _what in (
     ("cache", "HDF5 rollout cache write/read MB/s and lookup latency vs raw disk"),
     ("logprob", "fused vocab-parallel log-prob/entropy vs naive log_softmax"),
     ("long-trajectory", "peak memory per rank and step time of actor updates on long trajectories at CP 1 and 2"),
+    ("moe", "actor update and weight sync of a MoE model at EP 1 and 2 vs the dense model of its active size"),
     ("e2e", "end-to-end GRPO step phases and tokens/s vs TRL"),
     ("sweep", "a grid of benchmark runs, one JSON per point with its environment, a table and plots"),
     ("learn", "the embedded default's learning over seeds and thread settings (table + curves)"),

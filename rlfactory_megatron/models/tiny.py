@@ -36,7 +36,7 @@ def make_tiny_hf_model(
 
     if model_type not in _CONFIG_CLASSES:
         raise ValueError(f"model_type must be one of {sorted(_CONFIG_CLASSES)}, not '{model_type}'")
-    kwargs = dict(TINY_DEFAULTS, **(TINY_MOE_DEFAULTS if model_type == "qwen3_moe" else {}), **overrides)
+    kwargs = {**TINY_DEFAULTS, **(TINY_MOE_DEFAULTS if model_type == "qwen3_moe" else {}), **overrides}
     if model_type == "llama" and "rope_scaling" not in kwargs:
         kwargs["rope_scaling"] = {
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
