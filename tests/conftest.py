@@ -87,4 +87,12 @@ def pytest_sessionfinish(session):
     path = Path(path)
     merged = json.loads(path.read_text()) if path.exists() else {}
     merged.update({nodeid: round(s, 2) for nodeid, s in _recorded.items()})
+    merged = {nodeid: s for nodeid, s in merged.items() if _still_defined(nodeid)}  # renamed or removed tests go
     path.write_text(json.dumps(dict(sorted(merged.items(), key=lambda kv: -kv[1])), indent=0) + "\n")
+
+
+def _still_defined(nodeid: str) -> bool:
+    """Whether the test a recorded node id names is still defined in its file."""
+    file, _, rest = nodeid.partition("::")
+    path = Path(__file__).resolve().parent.parent / file
+    return path.is_file() and f"def {rest.split('[')[0].split('::')[-1]}(" in path.read_text()

@@ -153,7 +153,7 @@ class PolicyModel:
 
     def __init__(self, arch: ModelArch, hf_dir: str | None, build: BuildOptions, max_tokens: int,
                  optim_cfg=None, total_steps: int = 1, fused_logprob: bool = True, temperature: float = 1.0,
-                 routing_replay: str = "none") -> None:
+                 routing_replay: str = "none", compare_routes: bool = False) -> None:
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0 (the sampling temperature the log-probs are of), got {temperature}")
         self.arch = arch
@@ -163,6 +163,9 @@ class PolicyModel:
         # actor.moe.routing_replay: R2, the actor's log-prob pass records the routes the update
         # replays; R3, every pass replays the engines' routes the batch carries.
         self.routing_replay = routing_replay
+        # rollout.record_routes under none or R2: the log-prob pass counts how often this model's
+        # router agrees with the engines' routes the batch carries, and takes its own.
+        self.compare_routes = compare_routes and routing_replay != "R3"
         build = replace(build, output_hidden_states=fused_logprob)
         self.megatron = MegatronModel(arch, hf_dir, build, optim_cfg, total_steps)
 
@@ -194,9 +197,10 @@ class PolicyModel:
 
     def compute_log_probs(self, batch: RolloutBatch, with_entropy: bool = False) -> dict[str, torch.Tensor]:
         """Per-token log-probs (+ entropy) [B, T]; under R2 also the routes the tokens took
-        ("routes", [B, T, layers, top-k]) for the update to replay; under R3, with the batch's
-        (the engines') routes replayed, the share of trained token-layer routes on which this
-        model's own router agreed with them ("routing_agreement", None if none was compared)."""
+        ("routes", [B, T, layers, top-k]) for the update to replay; under R3 (the batch's, the
+        engines', routes replayed) or with compare_routes (compared, not replayed), the share of
+        trained token-layer routes on which this model's own router agreed with the engines'
+        ("routing_agreement", None if none was compared)."""
         plan = _plan(batch, self.max_tokens)
 
         def loss_fn(mb: PackedMicroBatch, output: torch.Tensor):
@@ -204,20 +208,24 @@ class PolicyModel:
             return torch.zeros(()), {"rows": mb.rows, **out}
 
         taps = self.megatron.router_taps
-        replay = taps is not None and self.routing_replay == "R3"  # decided by config: a collective follows
+        # Decided by config, the same on every rank: a collective follows.
+        replay = taps is not None and self.routing_replay == "R3"
         record = taps is not None and self.routing_replay == "R2"
+        compare = taps is not None and self.compare_routes
         routes = None
-        if record:
-            routes = RoutePass(record=True)
-        elif replay:
+        if replay or compare:
             taps.reset_metrics()
+        if replay:
             routes = RoutePass(replay=batch.routes, compared_on=batch.loss_mask > 0)
+        elif record or compare:
+            routes = RoutePass(record=record, compare=batch.routes if compare else None,
+                               compared_on=batch.loss_mask > 0 if compare else None)
         outputs = self.megatron.run(plan, loss_fn, forward_only=True, routes=routes)
         keys = ["log_probs"] + (["entropy"] if with_entropy else [])
         result = {key: gather_token_values(batch, outputs, key) for key in keys}
         if record:
             result["routes"] = gather_routes(batch, taps.recorded(tuple(batch.input_ids.shape)))
-        if replay:
+        if replay or compare:
             result["routing_agreement"] = taps.take_metrics().get("moe/routing_agreement")
         return result
 
@@ -226,10 +234,10 @@ class Actor(PolicyModel):
     """The trained policy: PPO-family update over `ppo_epochs` x mini-batches."""
 
     def __init__(self, actor_cfg, arch: ModelArch, hf_dir: str | None, build: BuildOptions, total_steps: int,
-                 norm_length: int | None = None, temperature: float = 1.0) -> None:
+                 norm_length: int | None = None, temperature: float = 1.0, compare_routes: bool = False) -> None:
         super().__init__(arch, hf_dir, build, actor_cfg.max_tokens_per_microbatch, actor_cfg.optim, total_steps,
                          fused_logprob=actor_cfg.use_fused_logprob, temperature=temperature,
-                         routing_replay=actor_cfg.moe.routing_replay)
+                         routing_replay=actor_cfg.moe.routing_replay, compare_routes=compare_routes)
         self.cfg = actor_cfg
         self.norm_length = norm_length
 
@@ -313,7 +321,7 @@ class Actor(PolicyModel):
             taps.reset_metrics()
         metrics = _run_updates(self.megatron, batch, self.cfg.ppo_epochs, self.cfg.mini_batch_size, self.max_tokens,
                                partial(self._loss_fn, tis_cap=tis_cap), prefix="actor", token_outputs=token_outputs,
-                               replay_routes=self.routing_replay != "none")
+                               replay_routes=self.routing_replay != "none", compare_routes=self.compare_routes)
         if taps is not None:
             metrics.update(taps.take_metrics())
         return metrics
@@ -397,7 +405,7 @@ _SHARE_METRICS = ("pg_loss", "kl_loss", "entropy", "vf_loss", "sft/loss")
 
 def _run_updates(megatron: MegatronModel, batch: RolloutBatch, epochs: int, mini_size: int, max_tokens: int,
                  make_loss_fn, prefix: str, token_outputs: list | None = None,
-                 replay_routes: bool = False) -> dict[str, float]:
+                 replay_routes: bool = False, compare_routes: bool = False) -> dict[str, float]:
     """Optimizer steps over `epochs` x mini-batches; returns the metrics averaged over tokens
     (loss-like ones over steps). Per-token outputs of the loss (tensors [rows, T]) go to
     `token_outputs`, one {"rows", name: values} per micro-batch."""
@@ -412,8 +420,13 @@ def _run_updates(megatron: MegatronModel, batch: RolloutBatch, epochs: int, mini
             plan = _plan(mini, max_tokens)
             real += sum(int(mini.lengths[r]) for mb in plan.micro_batches for r in mb.rows)
             computed += len(plan.micro_batches) * plan.padded_length
-            # Routes on the batch (routing replay): each token takes them in every forward.
-            routes = RoutePass(replay=mini.routes) if replay_routes and mini.routes is not None else None
+            # Routes on the batch: each token takes them in every forward (routing replay), or
+            # the router's own choices are counted against them (compare_routes).
+            routes = None
+            if mini.routes is not None and replay_routes:
+                routes = RoutePass(replay=mini.routes)
+            elif mini.routes is not None and compare_routes:
+                routes = RoutePass(compare=mini.routes, compared_on=mini.loss_mask > 0)
             step = megatron.train_step(plan, make_loss_fn(mini, plan), routes)
             updates += 1
             if step["skipped"]:

@@ -42,7 +42,7 @@ class Learner:
         # sampling, which RL cannot learn from; its log-probs are taken at 1).
         temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.actor = Actor(cfg.actor, arch, hf_dir, build, total, norm_length=cfg.rollout.max_response_tokens,
-                           temperature=temperature)
+                           temperature=temperature, compare_routes=bool(cfg.rollout.record_routes))
         # Under R3 the reference replays the engines' routes too; under R2 it routes for itself.
         self.reference = (PolicyModel(arch, hf_dir, build, cfg.actor.max_tokens_per_microbatch,
                                       fused_logprob=cfg.actor.use_fused_logprob, temperature=temperature,
@@ -78,7 +78,7 @@ class Learner:
         # batch before the update.
         tis_in_update = on_policy and set(correction) == {"tis_cap"}
         old = None
-        engine_routes_agreement = None  # R3: the trainer's router against the engines' routes
+        engine_routes_agreement = None  # the trainer's router against the engines' routes (recorded ones)
         # On-policy, the update's own forward gives them; a correction needs them before the update.
         if (correction and not tis_in_update) or not on_policy:
             old = self.actor.compute_log_probs(batch, with_entropy=True)
@@ -117,9 +117,10 @@ class Learner:
         else:
             update = self.actor.update(batch)
         metrics.update(update)
-        if self.actor.routing_replay == "R3":
+        if self.actor.routing_replay == "R3" or self.actor.compare_routes:
             # Measured in the forward on the weights that sampled the batch: the old-log-prob pass,
-            # or on-policy the update's single forward (both replay the engines' routes).
+            # or on-policy the update's single forward (both replay the engines' routes under R3,
+            # compare with them otherwise).
             agreement = engine_routes_agreement if not tis_in_update and old is not None else update.get(
                 "moe/routing_agreement")
             if agreement is not None:

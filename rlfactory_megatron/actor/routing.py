@@ -1,6 +1,6 @@
 """A MoE model's routes: recorded in one pass and replayed in another (routing replay R2), or the
-engines' replayed (R3), and the per-step routing metrics (agreement with the replayed routes,
-expert load per layer, aux loss).
+engines' replayed (R3) or only compared with (rollout.record_routes), and the per-step routing
+metrics (agreement with the replayed or compared routes, expert load per layer, aux loss).
 
 Routes are kept per token of the batch ([B, T, layers, top-k], aligned like the log-probs), and a
 pass looks up its micro-batch's by the micro-batch's own attention inputs, so replay holds under any
@@ -23,13 +23,24 @@ NO_ROUTE = -1  # a position no batch token sits at (pack padding): the router's 
 
 @dataclass
 class RoutePass:
-    """What one pass over a plan does with routes: `record` them, or `replay` the given ones
-    ([rows of the batch the plan cuts, T, layers, top-k]); the router's agreement with the replayed
-    routes is counted on the tokens `compared_on` marks ([rows, T] bool; None: every token)."""
+    """What one pass over a plan does with routes: `record` them, `replay` the given ones ([rows of
+    the batch the plan cuts, T, layers, top-k]), or `compare` the router's own choices with the
+    given ones and take its own; the router's agreement with the replayed or compared routes is
+    counted on the tokens `compared_on` marks ([rows, T] bool; None: every token)."""
 
     record: bool = False
     replay: Optional[torch.Tensor] = None
+    compare: Optional[torch.Tensor] = None
     compared_on: Optional[torch.Tensor] = None
+
+    def __post_init__(self) -> None:
+        if self.replay is not None and self.compare is not None:
+            raise ValueError("a pass replays routes or compares with them, not both")
+
+    @property
+    def reference(self) -> Optional[torch.Tensor]:
+        """The routes the router's own choices are counted against."""
+        return self.replay if self.replay is not None else self.compare
 
 
 class _LayerRouter:
@@ -102,9 +113,10 @@ class RouterTaps:
         self._pass = {"index": {self._key(b): i for i, b in enumerate(model_batches)}, "current": None,
                       "tokens": [self._token_positions(mb)[pos].to(device) for mb, pos in zip(micro_batches, local)],
                       "record": {} if routes.record else None, "counted": set(),
-                      "replay": None if routes.replay is None else
-                      [self._packed(mb, routes.replay, NO_ROUTE)[pos].to(device) for mb, pos in zip(micro_batches, local)],
-                      "compared": None if routes.replay is None or routes.compared_on is None else
+                      "reference": None if routes.reference is None else
+                      [self._packed(mb, routes.reference, NO_ROUTE)[pos].to(device) for mb, pos in zip(micro_batches, local)],
+                      "replay": routes.replay is not None,
+                      "compared": None if routes.reference is None or routes.compared_on is None else
                       [self._packed(mb, routes.compared_on, False)[pos].to(device) for mb, pos in zip(micro_batches, local)]}
         try:
             yield
@@ -123,10 +135,11 @@ class RouterTaps:
         state["counted"].add((mb, layer))
         if torch.is_grad_enabled():
             self.loss_calls[layer] += 1
-        if state["replay"] is not None:
-            target = state["replay"][mb][:, layer].long()
+        if state["reference"] is not None:
+            target = state["reference"][mb][:, layer].long()
             known = (target != NO_ROUTE).all(-1)
-            chosen = torch.where(known[:, None], target, own)
+            if state["replay"]:
+                chosen = torch.where(known[:, None], target, own)
             if first:
                 compared = known & (tokens if state["compared"] is None else state["compared"][mb])
                 same = (own.sort(-1).values == target.sort(-1).values).all(-1) & compared

@@ -154,6 +154,11 @@ def _resolve_auto(cfg, for_gpu: bool = False) -> None:
         raise ConfigError(str(exc)) from None
     if cfg.weight_sync.transport == "auto":
         cfg.weight_sync.transport = ROLLOUT_MODES.get(cfg.rollout.mode).transport
+    if cfg.rollout.record_routes is None:  # R3 replays the engines' routes: they must record them
+        cfg.rollout.record_routes = cfg.actor.moe.routing_replay == "R3"
+    elif not cfg.rollout.record_routes and cfg.actor.moe.routing_replay == "R3":
+        raise ConfigError("rollout.record_routes=false: actor.moe.routing_replay=R3 replays the routes the engines "
+                          "record; leave rollout.record_routes out (null) or choose routing_replay none or R2")
 
 
 def _load_yaml(path: str | Path):
@@ -426,6 +431,9 @@ def _check_expert_layout(cfg, arch, world_size: int) -> None:
     if arch.moe is None and replay != "none":
         raise ConfigError(f"actor.moe.routing_replay={replay} replays a mixture-of-experts model's routes; model "
                           f"'{arch.model_type}' is dense: set actor.moe.routing_replay=none")
+    if arch.moe is None and OmegaConf.select(cfg, "rollout.record_routes", default=False):
+        raise ConfigError(f"rollout.record_routes=true records a mixture-of-experts model's routes; model "
+                          f"'{arch.model_type}' is dense: leave rollout.record_routes out")
     if arch.moe is not None and arch.moe.num_experts % ep:
         raise ConfigError(f"parallel.ep={ep} does not divide the model's {arch.moe.num_experts} experts; "
                           f"use one of {_divisors(arch.moe.num_experts)}")

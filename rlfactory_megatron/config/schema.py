@@ -154,6 +154,12 @@ class RolloutConfig:
     # compute capability >= 8.0), so that a seeded sample does not depend on the requests batched
     # with it, at a cost in generation speed. CPU engines are batch-invariant as built.
     batch_invariant: bool = False
+    # A MoE model's engines return the experts each token was routed to in each layer, stored with
+    # the trajectory; the trainer's forward on the sampling weights reports how often its own
+    # router agrees (rollout/routing_agreement). null: exactly when actor.moe.routing_replay=R3,
+    # which replays them; true under none or R2: compared, not replayed. Recording engines run
+    # without prefix caching, eager (docs/moe.md).
+    record_routes: Optional[bool] = None
     # vLLM's memory share; on CPU the KV cache is what max_num_seqs full-length sequences need,
     # at most this share of host memory
     gpu_memory_utilization: float = 0.5

@@ -159,7 +159,7 @@ class EngineFleet:
                            max_model_len=cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens,
                            max_num_seqs=cfg.rollout.max_num_seqs, memory_utilization=cfg.rollout.gpu_memory_utilization,
                            seed=cfg.trainer.seed, batch_invariant=cfg.rollout.batch_invariant,
-                           record_routes=cfg.actor.moe.routing_replay == "R3")  # R3 replays the engines' routes
+                           record_routes=bool(cfg.rollout.record_routes))  # resolved at load (R3 needs them)
         if self.disaggregated:
             if not ray.is_initialized():
                 ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)

@@ -100,12 +100,26 @@ MOE_ARCH = arch_from_hf_config({"model_type": "qwen3_moe", "num_hidden_layers": 
     (["actor.moe.routing_replay=R3"], ARCH, 1, "actor.moe.routing_replay=R3 replays a mixture-of-experts model's "
                                                "routes; model 'qwen3' is dense: set actor.moe.routing_replay=none"),
     (["actor.moe.routing_replay=R4"], MOE_ARCH, 1, "actor.moe.routing_replay.*R4.*none, R2, R3"),
+    (["rollout.record_routes=true"], ARCH, 1, "rollout.record_routes=true records a mixture-of-experts model's "
+                                              "routes; model 'qwen3' is dense: leave rollout.record_routes out"),
 ])
 def test_expert_layouts_are_checked_at_load(overrides, arch, world, message):
     with pytest.raises(ConfigError, match=message):
         validate_against_model(load_config(overrides=overrides), arch, world)
     validate_against_model(load_config(overrides=["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true",
                                                   "actor.moe.routing_replay=R3"]), MOE_ARCH, 4)
+
+
+def test_the_engines_record_routes_where_r3_replays_them_or_where_asked():
+    # null resolves at load: on exactly under R3; asked for under none or R2 (compared, not replayed).
+    assert load_config(overrides=["actor.moe.routing_replay=R3"]).rollout.record_routes is True
+    assert load_config().rollout.record_routes is False
+    asked = load_config(overrides=["actor.moe.routing_replay=R2", "rollout.record_routes=true"])
+    assert asked.rollout.record_routes is True
+    validate_against_model(asked, MOE_ARCH, 1)
+    with pytest.raises(ConfigError, match="rollout.record_routes=false: actor.moe.routing_replay=R3 replays the "
+                                          "routes the engines record"):
+        load_config(overrides=["actor.moe.routing_replay=R3", "rollout.record_routes=false"])
 
 
 @pytest.mark.parametrize("tp,pp,cp,ep,ranks", [(1, 1, 1, 1, 1), (1, 1, 1, 2, 2), (2, 1, 1, 2, 4), (1, 2, 2, 2, 4),

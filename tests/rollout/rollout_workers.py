@@ -334,6 +334,12 @@ def engine_routes_worker(hf_dir: str) -> dict:
                                      routes=routes, advantages=torch.randn(batch.input_ids.shape))
         metrics, first_forward = actor.update_with_log_probs(replayed)
         mask = batch.loss_mask > 0
+        # rollout.record_routes under none: a model that compares its router with the engine's
+        # routes and takes its own; routes shifted by one expert agree nowhere, and change nothing.
+        watcher = PolicyModel(arch, hf_dir, BuildOptions(moe=MoEOptions(**cfg.model.moe)), 64, compare_routes=True)
+        shifted = torch.where(routes >= 0, (routes + 1) % arch.moe.num_experts, routes)
+        compared = {name: watcher.compute_log_probs(batch.with_fields(routes=these))
+                    for name, these in (("engine", routes), ("shifted", shifted))}
         # The streaming path (submit / step, as the agent loop's front drives it) takes the same routes.
         single = SamplingConfig(n=1, max_tokens=12)
         whole = [gens[0] for gens in engine.generate(PROMPTS, single, seeds=[21, 22, 23, 24])]
@@ -348,6 +354,8 @@ def engine_routes_worker(hf_dir: str) -> dict:
                                     and (a.routes >= 0).all()) for a, b in zip(whole, streamed)],
                 "routes": routes, "own_routes": own["routes"], "mask": mask, "metrics": metrics,
                 "replayed_gap": (first_forward - engine_lp)[mask].abs().max().item(),
+                "compared": {name: (c["routing_agreement"], torch.equal(c["log_probs"], own["log_probs"]))
+                             for name, c in compared.items()},
                 "shapes": [s.routes.shape for s in samples], "lengths": batch.lengths.tolist()}
     finally:
         destroy_distributed()

@@ -289,4 +289,6 @@ def test_a_moe_engine_returns_its_routes_and_the_actor_replaying_them_computes_i
     assert (same | ~known).all() and known.sum() > 100
     assert report["metrics"]["moe/routing_agreement"] == 1
     assert report["replayed_gap"] <= 1e-4
+    # Compared, not replayed (rollout.record_routes under none): the agreement, and the model's own log-probs.
+    assert report["compared"] == {"engine": (1.0, True), "shifted": (0.0, True)}
     assert report["streamed_equal"] == [True] * 4

@@ -137,7 +137,7 @@ def test_dapo_with_the_rollout_correction_and_the_engines_sleeping_through_train
     assert check_device_phases(recorded) == {2: 3}  # the warm-start and two steps, each after a level-2 sleep
 
 
-def test_moe_with_experts_over_two_ranks_trains_with_replay_syncs_exactly_saves_and_samples_as_at_ep1(tmp_path):
+def test_moe_with_experts_over_two_ranks_trains_with_replay_syncs_exactly_saves_and_samples_as_at_ep1_unreplayed(tmp_path):
     # tiny://qwen3_moe with parallel.ep=2 started by hand: 2 ranks, an engine each. Mini-batches of
     # 2 rows: a separate old-log-prob pass, then the update; routing replay R3: the engines' routes
     # come back with each trajectory and every trainer forward replays them, and the engine's
@@ -165,10 +165,14 @@ def test_moe_with_experts_over_two_ranks_trains_with_replay_syncs_exactly_saves_
     assert {f"model.layers.{layer}.mlp.experts.{expert}.down_proj.weight" for layer in range(4)
             for expert in range(8)} <= names
     assert len(stored_trajectories(tmp_path / "moe")) == 3 * 4
-    # The same seed at ep 1 (one rank, one engine): the same trajectories, token for token.
+    # The same seed at ep 1 (one rank, one engine), without replay but with the engines' routes
+    # recorded (rollout.record_routes: compared with the trainer's router, not replayed): the
+    # router agrees with the engine everywhere, as above, so replay changed nothing there and the
+    # trajectories are the same, token for token.
     one = rlf_train(tmp_path, "ep1", "model.path=tiny://qwen3_moe", "trainer.total_steps=3", "trainer.val_every=0",
-                    "actor.mini_batch_size=2", "actor.moe.routing_replay=R3")
+                    "actor.mini_batch_size=2", "actor.moe.routing_replay=none", "rollout.record_routes=true")
     assert one.returncode == 0, one.stderr[-3000:]
+    assert [r["rollout/routing_agreement"] for r in records(tmp_path / "ep1")] == [1, 1, 1]
     assert stored_trajectories(tmp_path / "ep1") == stored_trajectories(tmp_path / "moe")
     # Each stored trajectory keeps the engine's routes of every position but its last (prefix
     # caching is off on R3 engines: no position is left unknown), 2 of the 8 experts per layer.
