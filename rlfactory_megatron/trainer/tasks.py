@@ -131,13 +131,35 @@ def calculator_judge(count: int, seed: int) -> list[PromptRecord]:
         label = int(rule(response, task.ground_truth))
         sample = RewardSample(task.data_source, response, task.ground_truth, prompt=task.messages[-1]["content"])
         records.append(PromptRecord(messages=prompt.messages(sample), ground_truth=str(label),
-                                    data_source="calculator_judge", extra={"response": response}))
+                                    data_source="calculator_judge",
+                                    extra={"response": response, "reference": task.ground_truth}))
     return records
 
 
-TASKS.register("calculator_judge", Task(
-    calculator_judge, lambda record: [{"role": "assistant", "content": f"<score>{record.ground_truth}</score>"}],
-    tools=(), train_prompts=8192))  # a fresh response at nearly every draw of a warm-start: the judge generalizes
+def calculator_judge_demonstration(record: PromptRecord) -> list[dict]:
+    """The judge's reply: the response's final answer (as the gsm8k rule reads it) and the
+    reference side by side, a character of each per cell with a mark (`=` the same, `x` not; `_`
+    past the shorter one's end), then the score: `11= 10x 09x <score>0</score>` for 110 against
+    109. Each mark compares two adjacent tokens, which a tiny judge learns within a short SFT;
+    taught only the score, it learned the answer line's form and length and scored most wrong
+    answers of the right length 1 (agreement 0.73-0.77; with the marks 1.0, docs/rewards.md)."""
+    from rlfactory_megatron.rewards.scorers.gsm8k import extract_answer
+
+    score = f"<score>{record.ground_truth}</score>"
+    answer = extract_answer(record.extra["response"])
+    if answer is None:
+        return [{"role": "assistant", "content": f"none {score}"}]
+    reference = record.extra["reference"]
+    cells = []
+    for i in range(max(len(answer), len(reference))):
+        mine = answer[i] if i < len(answer) else "_"
+        theirs = reference[i] if i < len(reference) else "_"
+        cells.append(f"{mine}{theirs}{'=' if mine == theirs else 'x'}")
+    return [{"role": "assistant", "content": f"{' '.join(cells)} {score}"}]
+
+
+# train_prompts: a fresh response at nearly every draw of a warm-start, so that the judge generalizes.
+TASKS.register("calculator_judge", Task(calculator_judge, calculator_judge_demonstration, tools=(), train_prompts=8192))
 
 
 def run_tool_specs(cfg) -> list[ToolSpec]:
