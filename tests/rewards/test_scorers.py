@@ -133,6 +133,29 @@ def test_judge_reply_agrees_with_the_label():
                                                           ("<score>1</score>", "0"), ("1", "1"))] == [1.0, 1.0, 0.0, 0.0]
 
 
+def test_the_taught_judges_demonstrations_compare_cell_by_cell_and_score_as_the_rule():
+    from rlfactory_megatron.rollout.prompts import PromptRecord
+    from rlfactory_megatron.trainer.tasks import TASKS, calculator_judge_demonstration
+
+    def reply(response, reference, label):
+        record = PromptRecord(messages=[], ground_truth=label, extra={"response": response, "reference": reference})
+        return calculator_judge_demonstration(record)[0]["content"]
+
+    assert reply("#### 110<|im_end|>", "109", "0") == "11= 10x 09x <score>0</score>"
+    assert reply("#### -42", "42", "0") == "-4x 42x 2_x <score>0</score>"  # past the shorter one's end: _
+    assert reply("the answer is 7", "7", "0") == "none <score>0</score>"  # no answer line: the rule's 0
+    # Over the task's own records: every demonstration ends in the rule's label, and marks all `=`
+    # exactly where the rule scores the response right.
+    rule = get_scorer("gsm8k")
+    for record in TASKS.get("calculator_judge").records(64, 5):
+        text = calculator_judge_demonstration(record)[0]["content"]
+        cells, score = text.rsplit(" ", 1)
+        label = int(rule(record.extra["response"], record.extra["reference"]))
+        assert score == f"<score>{record.ground_truth}</score>" == f"<score>{label}</score>"
+        all_same = cells != "none" and all(cell.endswith("=") for cell in cells.split())
+        assert all_same == (label == 1), text
+
+
 def test_scorers_return_floats_and_document_their_rules():
     for name, scorer in SCORERS.items():
         assert "Rules" in (scorer.__doc__ or ""), name
