@@ -75,7 +75,7 @@ def parameter_counts(hf_dir: str) -> tuple[int, int]:
 
 
 def _rank(hf_dir: str, ep: int, settings: dict) -> dict:
-    """One rank: timed updates on its rows, then timed syncs into its own engine."""
+    """One rank: timed updates on its rows, then timed syncs (into rank 0's engine)."""
     import torch.distributed as dist
 
     from rlfactory_megatron.actor.actor import Actor
@@ -136,11 +136,17 @@ def main(argv: list[str]) -> int:
     from rlfactory_megatron.runtime.distributed import spawn_local_workers
 
     args = _parse(argv)
-    sizes = [int(e) for e in args.ep.split(",")]
-    problems = [f"--ep {e}: must be >= 1 and divide --experts {args.experts} and --rows {args.rows}"
-                for e in sizes if e < 1 or args.experts % e or args.rows % e]
+    try:
+        sizes = [int(e) for e in args.ep.split(",")]
+    except ValueError:
+        sizes, problems = [], [f"--ep {args.ep}: give expert-parallel sizes, comma-separated (e.g. 1,2)"]
+    else:
+        problems = [f"--ep {e}: must be >= 1 and divide --experts {args.experts} and --rows {args.rows}"
+                    for e in sizes if e < 1 or args.experts % e or args.rows % e]
     if args.top_k > args.experts:
         problems.append(f"--top-k {args.top_k}: at most --experts {args.experts}")
+    if args.steps < 1 or args.sync_repeats < 1 or args.warmup < 0:
+        problems.append("--steps and --sync-repeats: at least 1; --warmup: at least 0")
     if problems:
         print(f"rlf-bench moe: {problems[0]}")
         return 2

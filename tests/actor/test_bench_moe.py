@@ -37,3 +37,6 @@ def test_moe_and_its_dense_twin_at_ep_1_and_2_in_one_run(tmp_path, capsys):
     # A layout the experts cannot split into: refused before any model is built.
     assert moe.main([*SMALL, "--ep", "3"]) == 2
     assert "--ep 3: must be >= 1 and divide --experts 8 and --rows 2" in capsys.readouterr().out
+    assert moe.main([*SMALL, "--ep", "one"]) == 2 and moe.main([*SMALL, "--steps", "0"]) == 2
+    printed = capsys.readouterr().out
+    assert "--ep one: give expert-parallel sizes" in printed and "--steps and --sync-repeats: at least 1" in printed
