@@ -329,7 +329,7 @@ def start_judge(cfg, layout, cache=None) -> ServedModelReward | None:
     spec = JudgeSpec.from_config(cfg.reward)
     if spec is None:
         return None
-    hf_dir = str(resolve_model_path(spec.path))
+    hf_dir = str(resolve_model_path(spec.path, key="reward.model.path"))
     spec.check_context(hf_dir)
     kind = JUDGE_KINDS.get(spec.kind)
     on_gpu = torch.cuda.is_available()

@@ -1,6 +1,7 @@
 """Load, override and validate the run configuration before any process group or model exists."""
 from __future__ import annotations
 
+import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Collection, Sequence
@@ -71,13 +72,13 @@ def closed_sets(cfg) -> dict[str, Collection[str]]:
         "reward.remote.protocol": PROTOCOLS,
         "logging.wandb_mode": ("online", "offline"),
     }
-    if not cfg.trainer.data_path:  # a run with its own data names no built-in task
+    if cfg.trainer.task is not None:  # a run with its own data names no built-in task
         sets["trainer.task"] = TASKS
     return sets
 
 
 # Refusals that say more than "is not allowed": (what the value is not, what else would do).
-_REFUSALS = {"trainer.task": ("is not a built-in task", " (or give trainer.data_path)")}
+_REFUSALS = {"trainer.task": ("is not a built-in task", " (or give your data as trainer.data_path)")}
 
 
 class ConfigError(ValueError):
@@ -90,23 +91,30 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), f
     tiny-model run) <- dotted `key=value` overrides, validated and resolved: the algorithm's
     preset filled in where the user set no value (its `key=value` settings appended to
     `preset_log`, for the start-up log), `auto` values made concrete. A file starts from the
-    schema's defaults, never from the embedded default's. `for_gpu`: `auto` settings as a GPU
-    node resolves them, on any machine (`rlf-train --plan` on a login node)."""
+    schema's defaults, never from the embedded default's; its relative input paths are its
+    folder's. `for_gpu`: `auto` settings as a GPU node resolves them, on any machine
+    (`rlf-train --plan` on a login node)."""
     try:
         cfg = OmegaConf.structured(RLFConfig)
-        if path is not None:
-            if not Path(path).is_file():
-                raise ConfigError(f"config file '{path}' does not exist")
-            given = _load_yaml(path)
-        else:
-            given = OmegaConf.load(DEFAULT_CONFIG)
         for item in overrides:
             if "=" not in item:
                 raise ConfigError(f"override '{item}' must look like key=value (e.g. actor.optim.lr=1e-6)")
         overridden = OmegaConf.from_dotlist(list(overrides))
+        if path is not None:
+            if not Path(path).is_file():
+                raise ConfigError(f"config file '{path}' does not exist")
+            given = _load_yaml(path)
+            _refuse_tools_file(given, path)
+            _paths_from_file(given, Path(path).parent)
+        else:
+            given = OmegaConf.load(DEFAULT_CONFIG)
+            if OmegaConf.select(overridden, "trainer.data_path") and OmegaConf.select(overridden, "trainer.task") is None:
+                given.trainer.task = None  # the user's data replaces the embedded default's task
         cfg = OmegaConf.merge(cfg, given, overridden)
     except OmegaConfBaseException as exc:
         raise ConfigError(_explain(exc)) from None
+    if cfg.trainer.output_dir is None:  # one folder per config file: a requeued job finds its checkpoints
+        cfg.trainer.output_dir = str(Path("outputs") / Path(path).stem) if path is not None else "outputs/default"
     validate_static(cfg)
     from rlfactory_megatron.trainer.presets import apply_preset
 
@@ -115,6 +123,43 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), f
         preset_log.extend(applied)
     _resolve_auto(cfg, for_gpu)
     return cfg
+
+
+# Keys naming an input file or folder. In a config file a relative one is the file's folder's
+# (as users expect of config files); one found only from the working directory still works.
+INPUT_PATH_KEYS = ("model.path", "trainer.data_path", "trainer.val_data_path", "tools.config_path",
+                   "reward.custom_function_path", "reward.combine.function_path", "reward.model.path",
+                   "reward.model.template", "reward.model.parser")
+
+
+def _paths_from_file(given, folder: Path) -> None:
+    import re
+
+    for key in INPUT_PATH_KEYS:
+        value = OmegaConf.select(given, key, default=None, throw_on_resolution_failure=False)
+        if not isinstance(value, str) or not value or "://" in value or "${" in value:
+            continue
+        suffix = ""
+        if key == "reward.model.parser":  # a regex, or file.py:function
+            match = re.fullmatch(r"(.+\.py)(:\w+)", value)
+            if match is None:
+                continue
+            value, suffix = match.groups()
+        file = Path(value).expanduser()
+        if file.is_absolute():
+            continue
+        beside = Path(os.path.abspath(folder / file))
+        if beside.exists():
+            OmegaConf.update(given, key, str(beside) + suffix)
+        elif not file.exists() and key != "reward.model.template":  # a template may be the text itself
+            OmegaConf.update(given, key, str(beside) + suffix)  # so that an error names where it was looked for
+
+
+def _refuse_tools_file(given, path) -> None:
+    """A tools YAML given as --config would fail as "invalid value for config key ''"."""
+    if OmegaConf.is_list(given) or OmegaConf.is_list(given.get("tools")):
+        raise ConfigError(f"--config {path} is a tools file (a 'tools:' list), not a run config: give it as "
+                          f"tools.config_path={path}")
 
 
 def config_from_yaml(text: str) -> RLFConfig:
@@ -154,11 +199,25 @@ def _resolve_auto(cfg, for_gpu: bool = False) -> None:
         raise ConfigError(str(exc)) from None
     if cfg.weight_sync.transport == "auto":
         cfg.weight_sync.transport = ROLLOUT_MODES.get(cfg.rollout.mode).transport
+    _resolve_tools(cfg)
     if cfg.rollout.record_routes is None:  # R3 replays the engines' routes: they must record them
         cfg.rollout.record_routes = cfg.actor.moe.routing_replay == "R3"
     elif not cfg.rollout.record_routes and cfg.actor.moe.routing_replay == "R3":
         raise ConfigError("rollout.record_routes=false: actor.moe.routing_replay=R3 replays the routes the engines "
                           "record; leave rollout.record_routes out (null) or choose routing_replay none or R2")
+
+
+def _resolve_tools(cfg) -> None:
+    """Tools are on where the run declares some: a tools file, or its built-in task's own (a
+    user's data never gets the embedded default's calculator)."""
+    from rlfactory_megatron.trainer.tasks import TASKS
+
+    declared = bool(cfg.tools.config_path) or bool(cfg.trainer.task and TASKS.get(cfg.trainer.task).tools)
+    if cfg.tools.enable is None:
+        cfg.tools.enable = declared
+    elif cfg.tools.enable and not declared:
+        raise ConfigError("tools.enable=true, and the run declares no tools: give tools.config_path=<a tools YAML> "
+                          "(docs/tools.md), or leave tools.enable out")
 
 
 def _load_yaml(path: str | Path):
@@ -197,6 +256,7 @@ def validate_static(cfg) -> None:
     if OmegaConf.is_missing(cfg.model, "path"):
         raise ConfigError("model.path is required: a HF model folder (or tiny://qwen3 for a tiny test model); "
                           "a run with --config starts from the schema's defaults, which name no model")
+    _check_prompt_source(cfg)
     for key, allowed in closed_sets(cfg).items():
         value = OmegaConf.select(cfg, key)
         if value not in allowed:
@@ -230,6 +290,46 @@ def validate_static(cfg) -> None:
     _check_rewards_and_tools(cfg)
     _check_wandb(cfg.logging)
     _check_memory_keys(cfg)
+
+
+def _check_prompt_source(cfg) -> None:
+    """A run trains on its own data or on a built-in task, never both and never neither: a user's
+    config never falls back to the embedded default's toy task."""
+    trainer = cfg.trainer
+    if trainer.data_path and trainer.task:
+        raise ConfigError(f"trainer.task={trainer.task} and trainer.data_path={trainer.data_path}: a run trains on one of "
+                          "them; drop trainer.task (to train on your data) or trainer.data_path (the built-in task)")
+    if not trainer.data_path and not trainer.task:
+        raise ConfigError("trainer.data_path is not set: give the run's prompts as trainer.data_path=<a .parquet or "
+                          ".jsonl file>, or name a built-in task with trainer.task (e.g. calculator_arithmetic)")
+    if trainer.val_data_path and not trainer.data_path:
+        raise ConfigError(f"trainer.val_data_path={trainer.val_data_path} goes with trainer.data_path; a built-in "
+                          f"task (trainer.task={trainer.task}) draws its own held-out prompts: drop it")
+
+
+def check_inputs(cfg, plan_only: bool = False) -> None:
+    """What a run reads, found where the config says (rlf-train checks it before every command):
+    its data files, model folders (config.json, tokenizer, the policy's chat template) and the
+    checkpoint trainer.resume names. `plan_only`: what `--plan` reads, the model's config.json
+    (a job is planned on a login node without its data)."""
+    from rlfactory_megatron.trainer.checkpoint import STATE_FILE
+    from rlfactory_megatron.trainer.model_path import TINY_SCHEME, resolve_model_path
+
+    resume = cfg.trainer.resume
+    if resume not in ("auto", "never") and not (Path(resume) / STATE_FILE).is_file():
+        raise ConfigError(f"trainer.resume='{resume}' is not auto, never or a checkpoint folder (one holding "
+                          f"{STATE_FILE}, e.g. <output_dir>/checkpoints/step_000010)")
+    for key in () if plan_only else ("trainer.data_path", "trainer.val_data_path"):
+        value = OmegaConf.select(cfg, key)
+        if value and not Path(value).expanduser().is_file():
+            raise ConfigError(f"{key}='{value}' does not exist; give a .parquet or .jsonl file")
+    for key in ("model.path",) if plan_only else ("model.path", "reward.model.path"):
+        path = OmegaConf.select(cfg, key)
+        if path and not path.startswith(TINY_SCHEME):
+            try:
+                resolve_model_path(path, key, tokenizer=not plan_only)  # a local folder: only checked
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
 
 
 def _check_context_parallel(cfg) -> None:
@@ -326,7 +426,10 @@ def _check_rewards_and_tools(cfg) -> None:
                             CombineSpec.from_config(cfg.reward.combine), JudgeSpec.from_config(cfg.reward))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if cfg.tools.enable and cfg.tools.config_path:
+    if cfg.tools.enable is False and cfg.tools.config_path:
+        raise ConfigError(f"tools.config_path={cfg.tools.config_path} with tools.enable=false: the tools would not "
+                          "run; drop one of them")
+    if cfg.tools.config_path:
         path = cfg.tools.config_path
         if not Path(path).is_file():
             raise ConfigError(f"tools.config_path='{path}' does not exist; give a YAML file with a 'tools:' list")

@@ -174,7 +174,9 @@ class WeightSyncConfig:
 
 @dataclass
 class ToolsConfig:
-    enable: bool = True  # false: single-turn, no tools
+    # null: on where the run has tools (tools.config_path, or a built-in task's own); true: the same,
+    # refused without tools to run; false: single-turn, no tools
+    enable: Optional[bool] = None
     format: str = "qwen3"  # qwen3 | qwen2_5 | llama3
     config_path: Optional[str] = None  # YAML file declaring tools
     max_turns: int = 4  # policy turns per trajectory
@@ -277,8 +279,11 @@ class TrainerConfig:
     total_steps: int = 20
     prompts_per_step: int = 8  # prompts per step (each sampled rollout.n times)
     seed: int = 1234  # every RNG, prompt order and each sample's sampling seed (from seed, step, row)
-    output_dir: str = "outputs/default"  # metrics, TensorBoard, checkpoints, cache, logs
-    save_every: int = 10  # checkpoint every N steps (0: never)
+    # metrics, TensorBoard, checkpoints, cache, logs; one run's (a resume with other settings that
+    # change its trajectories is refused). null: outputs/<config file's name> (outputs/default
+    # without --config), the same folder again for a requeued job
+    output_dir: Optional[str] = None
+    save_every: int = 10  # checkpoint every N steps and after the last (0: no checkpoints)
     keep_last: int = 2  # checkpoints kept
     # Each checkpoint also holds the actor as a HF folder (<checkpoint>/hf: config, tokenizer,
     # chat template, safetensors), written streaming from rank 0, so the trained model leaves
@@ -301,9 +306,13 @@ class TrainerConfig:
     # seed, total_steps, world size, threads) loads it instead of computing it; else it stores
     # its own. All ranks must see the folder. null: every run computes its warm-start.
     sft_cache: Optional[str] = None
-    data_path: Optional[str] = None  # parquet/jsonl; None = the built-in task `trainer.task`
+    # parquet/jsonl (relative paths in a config file: from the file's folder); a run names this or
+    # trainer.task, never both
+    data_path: Optional[str] = None
     val_data_path: Optional[str] = None  # None: a held-out set (a fresh draw of the task, or data_path's last rows)
-    task: str = "calculator_arithmetic"  # a name in rlfactory_megatron.trainer.tasks.TASKS
+    # a built-in task (rlfactory_megatron.trainer.tasks.TASKS: prompts, tools, demonstrations) instead of
+    # trainer.data_path; the embedded default's is calculator_arithmetic
+    task: Optional[str] = None
     # Dynamic sampling (trainer.algorithm=dapo): further rollout rounds per step to replace
     # groups whose samples all scored the same.
     max_refill_rounds: int = 3

@@ -31,7 +31,7 @@ def _record(row: dict[str, Any], source: str) -> PromptRecord:
 def load_prompts(path: str) -> list[PromptRecord]:
     """Rows with `prompt`, `ground_truth` (or verl's `reward_model.ground_truth`), optional `data_source`,
     `extra_info` and `demonstration` (assistant/tool messages for the SFT warm-start)."""
-    file = Path(path)
+    file = Path(path).expanduser()
     if not file.is_file():
         raise ValueError(f"trainer.data_path='{path}' does not exist")
     if file.suffix == ".parquet":

@@ -46,7 +46,10 @@ def make_tiny_tokenizer(family: str, task: str = "calculator_arithmetic"):
     return train_chat_tokenizer(corpus=corpus + rendered, **options)
 
 
-def resolve_model_path(path: str) -> Path:
+def resolve_model_path(path: str, key: str = "model.path", tokenizer: bool = True) -> Path:
+    """The HF folder `path` (the value of config key `key`) names, checked to hold what a run
+    reads: the model's config.json and (`tokenizer`) its tokenizer, and for the policy
+    (`model.path`) a chat template."""
     if path.startswith(TINY_SCHEME):
         family = path[len(TINY_SCHEME):]
         # Versioned: a cache built by an older release (another tokenizer) is never picked up.
@@ -63,6 +66,28 @@ def resolve_model_path(path: str) -> Path:
         return target
     folder = Path(path)
     if not (folder / "config.json").is_file():
-        raise ValueError(f"model.path='{path}' is not a Hugging Face model folder (no config.json); "
+        raise ValueError(f"{key}='{path}' is not a Hugging Face model folder (no config.json); "
                          f"give a local folder or {TINY_SCHEME}<llama|qwen2|qwen3|qwen3_moe>")
+    if not tokenizer:
+        return folder
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"{key}='{path}' has no tokenizer ({', '.join(TOKENIZER_FILES)}): save the model's "
+                         "tokenizer into the folder (tokenizer.save_pretrained)")
+    if key == "model.path" and not _has_chat_template(folder):
+        raise ValueError(f"{key}='{path}' has no chat template (tokenizer_config.json's chat_template or "
+                         "chat_template.jinja): prompts are rendered with it; use the model's instruct/chat "
+                         "release or add its template")
     return folder
+
+
+# Any one of these is a tokenizer transformers' AutoTokenizer loads.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def _has_chat_template(folder: Path) -> bool:
+    import json
+
+    if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
+        return True
+    config = folder / "tokenizer_config.json"
+    return config.is_file() and bool(json.loads(config.read_text()).get("chat_template"))

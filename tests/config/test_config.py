@@ -7,7 +7,8 @@ from rlfactory_megatron.models.hf_arch import arch_from_hf_config
 
 def test_a_config_file_starts_from_the_schema_and_overrides_come_last(tmp_path):
     yaml = tmp_path / "run.yaml"
-    yaml.write_text("model:\n  path: /models/m\nactor:\n  optim:\n    lr: 3.0e-6\nparallel:\n  tp: 2\n")
+    yaml.write_text("model:\n  path: /models/m\nactor:\n  optim:\n    lr: 3.0e-6\nparallel:\n  tp: 2\n"
+                    "trainer:\n  data_path: /data/train.parquet\n")
     cfg = load_config(yaml, ["parallel.tp=4", "rollout.stop=[</answer>]"])
     assert cfg.actor.optim.lr == 3e-6 and cfg.parallel.tp == 4 and list(cfg.rollout.stop) == ["</answer>"]
     # None of the embedded default's tiny-model settings (default.yaml): the schema's, for real models.
@@ -189,7 +190,68 @@ def test_bad_sampling_settings_are_named_at_load(override, message):
 def test_unknown_builtin_task_is_named():
     with pytest.raises(ConfigError, match="trainer.task='nope' is not a built-in task; choose one of: calculator"):
         load_config(None, ["trainer.task=nope"])
-    assert load_config(None, ["trainer.task=nope", "trainer.data_path=x.jsonl"]).trainer.task == "nope"
+    # A run with its own data names no task: the embedded default's is dropped, a task set beside it refused.
+    assert load_config(None, ["trainer.data_path=x.jsonl"]).trainer.task is None
+    with pytest.raises(ConfigError, match="trainer.task=nope and trainer.data_path=x.jsonl: a run trains on one"):
+        load_config(None, ["trainer.task=nope", "trainer.data_path=x.jsonl"])
+
+
+def test_item1_the_toy_task_never_reaches_a_users_run(tmp_path):
+    """A --config run without data is refused naming trainer.data_path (it trained on the built-in
+    calculator task, silently); a user's data gets tools only where a tools file declares them."""
+    yaml = tmp_path / "mine.yaml"
+    yaml.write_text("model:\n  path: /models/m\n")
+    with pytest.raises(ConfigError, match="trainer.data_path is not set: give the run's prompts"):
+        load_config(yaml)
+    own = load_config(yaml, ["trainer.data_path=/data/train.parquet"])
+    assert own.tools.enable is False and own.trainer.task is None  # was: the calculator tool, on
+    with pytest.raises(ConfigError, match="tools.enable=true, and the run declares no tools: give tools.config_path"):
+        load_config(yaml, ["trainer.data_path=/data/train.parquet", "tools.enable=true"])
+    with pytest.raises(ConfigError, match="tools.config_path=t.yaml with tools.enable=false: the tools would not run"):
+        load_config(yaml, ["trainer.data_path=/data/train.parquet", "tools.enable=false", "tools.config_path=t.yaml"])
+    embedded = load_config()
+    assert embedded.trainer.task == "calculator_arithmetic" and embedded.tools.enable is True
+    assert load_config(None, ["trainer.data_path=x.jsonl"]).tools.enable is False
+    assert load_config(yaml, ["trainer.task=calculator_arithmetic"]).tools.enable is True  # the task's own tool
+    with pytest.raises(ConfigError, match="trainer.val_data_path=v.jsonl goes with trainer.data_path"):
+        load_config(None, ["trainer.val_data_path=v.jsonl"])
+
+
+def test_item6_relative_paths_in_a_config_file_are_its_folders(tmp_path, monkeypatch):
+    """Paths in a config file resolve from the file's folder (they resolved from the working
+    directory: an example config worked only from the repo root); overrides stay the shell's."""
+    folder = tmp_path / "configs"
+    (folder / "data").mkdir(parents=True)
+    (folder / "data" / "train.jsonl").write_text("")
+    (folder / "tools.yaml").write_text("tools:\n  - class: calculator\n")
+    (folder / "run.yaml").write_text("model: {path: tiny://qwen3}\ntrainer: {data_path: data/train.jsonl}\n"
+                                     "tools: {config_path: tools.yaml}\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    cfg = load_config(folder / "run.yaml")
+    assert cfg.trainer.data_path == str(folder / "data" / "train.jsonl")
+    assert cfg.tools.config_path == str(folder / "tools.yaml") and cfg.tools.enable is True
+    assert cfg.trainer.output_dir == "outputs/run"  # the config's own folder under the working directory
+    # a path missing beside the file is named where it was looked for
+    assert load_config(folder / "run.yaml", ["trainer.data_path=x.jsonl"]).trainer.data_path == "x.jsonl"
+    (folder / "run.yaml").write_text("model: {path: tiny://qwen3}\ntrainer: {data_path: data/missing.jsonl}\n")
+    assert load_config(folder / "run.yaml").trainer.data_path == str(folder / "data" / "missing.jsonl")
+    # every example config from another folder (they named examples/tools/calculator.yaml from the repo root)
+    from pathlib import Path
+
+    import rlfactory_megatron
+
+    for example in sorted((Path(rlfactory_megatron.__file__).parent / "config" / "examples").glob("*.yaml")):
+        cfg = load_config(example)
+        assert cfg.tools.config_path is None or Path(cfg.tools.config_path).is_file(), example
+
+
+def test_item8_a_tools_file_given_as_the_config_is_named(tmp_path):
+    tools = tmp_path / "tools.yaml"
+    tools.write_text("tools:\n  - class: calculator\n")
+    with pytest.raises(ConfigError, match=f"--config {tools} is a tools file .* give it as tools.config_path={tools}"):
+        load_config(tools)
 
 
 @pytest.mark.parametrize("overrides,world,message", [

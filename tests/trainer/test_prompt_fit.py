@@ -3,6 +3,7 @@ warm-start cut alike), and the load-time check that names a prompt over rollout.
 import json
 import os
 import re
+from pathlib import Path
 
 import pytest
 
@@ -60,14 +61,20 @@ def test_left_keeps_a_prompts_last_tokens_and_right_its_first(qwen3):
 
 
 def test_a_prompt_over_the_limit_is_named_at_load_or_cut_as_asked(qwen3, tmp_path):
-    _, _, _, _, full = _rendered(qwen3)
+    from rlfactory_megatron.envs.tools.registry import load_tool_specs
+    from rlfactory_megatron.envs.tools.toolbox import tool_schemas
+
+    _, manager, _, _, _ = _rendered(qwen3)
+    tools = Path(__file__).resolve().parents[2] / "examples" / "tools" / "calculator.yaml"  # a user's data: tools declared
+    limit = 2 + len(manager.render_prompt([{"role": "user", "content": "What is 2 + 3?"}],
+                                          tool_schemas(load_tool_specs(tools))))
     rows = [{"prompt": "What is 2 + 3?", "ground_truth": "5"},
             {"prompt": "What is " + " + ".join(["12"] * 40) + "?", "ground_truth": "480"},
             {"prompt": "What is 7 * 6?", "ground_truth": "42"}]
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    overrides = [f"model.path={qwen3}", f"trainer.data_path={data}", "trainer.sft_steps=0",
-                 "trainer.sft_cache=null", "trainer.val_prompts=1", "rollout.max_prompt_tokens=" + str(len(full))]
+    overrides = [f"model.path={qwen3}", f"trainer.data_path={data}", f"tools.config_path={tools}", "trainer.sft_steps=0",
+                 "trainer.sft_cache=null", "trainer.val_prompts=1", f"rollout.max_prompt_tokens={limit}"]
     named = re.escape(f'{data} row 1 ("What is 12 + 12 + ') + r'.*\.\.\."\): its prompt is \d+ tokens '
     with pytest.raises(ValueError, match=named + r"\(chat template and tool schemas\), over rollout.max_prompt_tokens"):
         check_run_data(load_config(None, overrides), qwen3)
