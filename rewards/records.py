@@ -77,6 +77,8 @@ class RewardResult:
                 if isinstance(value, (int, float)) and key != "score":
                     columns.setdefault(key, []).append(float(value))
         metrics = {f"{prefix}/{key}/mean": sum(v) / len(v) for key, v in columns.items() if v}
+        if self.scores:
+            metrics.update({f"{prefix}/score/min": float(min(self.scores)), f"{prefix}/score/max": float(max(self.scores))})
         metrics.update({f"{prefix}/{key}/sum": float(sum(columns[key])) for key in SUMMED_EXTRAS if key in columns})
         metrics.update({f"{prefix}/{key}/max": max(columns[key]) for key in MAXED_EXTRAS if columns.get(key)})
         metrics[f"{prefix}/errors"] = float(sum(e is not None for e in self.errors))

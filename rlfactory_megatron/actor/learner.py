@@ -100,7 +100,9 @@ class Learner:
                                   returns=advantages.returns)
         advantaged = batch
         trained_mask = batch.loss_mask > 0  # the rows' own, for the metrics below
-        metrics: dict[str, float] = {}
+        metrics: dict[str, float] = _spread_over_dp("train/advantages", advantages.advantages, trained_mask)
+        if self.critic is not None:  # without one the returns are the advantages
+            metrics.update(_spread_over_dp("train/returns", advantages.returns, trained_mask))
         if correction and not tis_in_update:
             corrected = rollout_correction(old["log_probs"], engine_log_probs, batch.loss_mask, **correction)
             advantages_used, loss_mask = corrected.apply(batch.advantages, batch.loss_mask)
@@ -180,6 +182,13 @@ def _over_dp(values: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
     if totals[1] == 0:
         return 0.0, 0.0
     return float(totals[0] / totals[1]), float(highest[0])
+
+
+def _spread_over_dp(name: str, values: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """`name`/mean, /min and /max of `values` on the masked tokens of every DP rank's rows."""
+    mean, highest = _over_dp(values, mask)
+    _, negated_lowest = _over_dp(-values, mask)
+    return {f"{name}/mean": mean, f"{name}/min": -negated_lowest, f"{name}/max": highest}
 
 
 def _dp_shares(batch: RolloutBatch) -> dict[str, float]:

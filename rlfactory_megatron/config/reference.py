@@ -27,6 +27,49 @@ on CPU. Set a key in a YAML file (`--config`) or on the command line (`section.k
 """
 
 
+# What every step logs (metrics.jsonl, TensorBoard, wandb): name, what it is, verl's name for it.
+METRICS = (
+    ("reward/score/mean, /min, /max", "the step's sample rewards", "critic/score/mean, /min, /max"),
+    ("reward/errors", "samples whose reward failed (scored 0), by kind under reward/errors/<kind>", ""),
+    ("train/advantages/mean, /min, /max", "advantages on the trained tokens, every DP rank's rows",
+     "critic/advantages/mean, /min, /max"),
+    ("train/returns/mean, /min, /max", "the critic's targets (runs with a critic)", "critic/returns/mean, /min, /max"),
+    ("actor/pg_loss, actor/kl_loss, actor/entropy", "the policy loss, the KL loss (with actor.kl_loss_coef), "
+     "the policy's entropy on the trained tokens", "actor/pg_loss, actor/kl_loss, actor/entropy"),
+    ("actor/clip_frac, actor/approx_kl", "share of tokens the ratio clip acted on; KL of the update's policy "
+     "from the sampling one", "actor/pg_clipfrac, actor/ppo_kl"),
+    ("actor/grad_norm, actor/lr", "gradient norm before clipping (mean over the step's optimizer steps); "
+     "the learning rate after the step", "actor/grad_norm, actor/lr"),
+    ("critic/vf_loss, critic/grad_norm", "the value loss and its gradient norm", "critic/vf_loss, critic/grad_norm"),
+    ("rollout/response_tokens_mean, _max", "generated tokens per trajectory (all turns and observations)",
+     "response_length/mean, /max"),
+    ("rollout/clip_ratio", "share of trajectories cut at rollout.max_response_tokens",
+     "response_length/clip_ratio"),
+    ("rollout/turns_mean, rollout/tool_calls_per_sample, tools/errors", "the agent loop: policy turns, tool calls, "
+     "failed calls (by kind under tools/errors/<kind>)", ""),
+    ("rollout/logprob_gap_mean, _max", "|trainer - engine| log-prob of the sampled tokens on the same weights",
+     "training/rollout_probs_diff_mean, _max"),
+    ("val/score_mean, val/<data_source>/score_mean", "greedy held-out score (every trainer.val_every steps and "
+     "before RL, at step 0), over all held-out prompts and per data source", "val-core/<data_source>/reward/mean@1"),
+    ("sft/loss", "the SFT warm-start's last loss (step 0)", ""),
+    ("time/generate_s, time/logprob_s, time/reward_wait_s, time/update_s, time/sync_s", "the phases of a step",
+     "timing_s/gen, timing_s/old_log_prob, timing_s/reward, timing_s/update_actor, timing_s/update_weights"),
+    ("perf/step_s, perf/tokens_per_s", "a step's time; its tokens (prompts and responses) per second",
+     "timing_s/step, perf/throughput"),
+    ("rollout/num_engines, rollout/engine_imbalance", "engines generating; busiest engine's time over the mean", ""),
+)
+
+METRICS_HEADER = """
+## Metrics
+
+What each step logs (`<trainer.output_dir>/metrics.jsonl`, TensorBoard, wandb when asked); the
+console's own lines are kept in `<trainer.output_dir>/logs/console.log`. Other families are
+described where they arise: asynchronous RL (`rollout/staleness_*`), the rollout correction
+(`rollout_correction/*`), MoE (`moe/*`, `rollout/routing_agreement`, docs/moe.md), model rewards
+(`reward/model/*`, docs/rewards.md), the tool pool (`tools/*`).
+"""
+
+
 def _field_comments(cls: type) -> dict[str, str]:
     """Comment lines above a field and the comment after it, joined, per field name."""
     source = inspect.getsource(cls)
@@ -94,6 +137,9 @@ def render() -> str:
         out.append("| key | type | default | what it does |\n| --- | --- | --- | --- |")
         for key, type_name, default, comment in _rows(getattr(root, section.name), f"{section.name}."):
             out.append(f"| `{key}` | {type_name} | `{default}` | {comment.replace('|', chr(92) + '|')} |")
+    out.append(METRICS_HEADER)
+    out.append("| metric | what it is | verl's name |\n| --- | --- | --- |")
+    out.extend(f"| `{name}` | {what} | {f'`{verl}`' if verl else '—'} |" for name, what, verl in METRICS)
     return "\n".join(out) + "\n"
 
 

@@ -251,7 +251,8 @@ class RolloutGenerator:
             versions[row] = sessions[row].token_versions(sum(traj.loss_mask))
             summaries.append(RowSummary(row, layout.producer, len(traj.prompt_ids), len(traj.response_ids),
                                         len(traj.turns), sum(len(turn.tool_calls) for turn in traj.turns),
-                                        tool_errors(traj), {v: versions[row].count(v) for v in sorted(set(versions[row]))}))
+                                        tool_errors(traj), {v: versions[row].count(v) for v in sorted(set(versions[row]))},
+                                        traj.stop_reason))
             for index, version, tokens in sessions[row].calls:
                 generated[index] += tokens
                 requests[index] += 1
@@ -426,7 +427,7 @@ def _report_sandboxes(specs) -> None:
     from rlfactory_megatron.envs.tools.registry import resolve_tool_class
 
     for spec in specs:
-        cls = resolve_tool_class(spec.cls)
+        cls = resolve_tool_class(spec.cls, spec.module_dirs)
         if hasattr(cls, "isolation"):
             isolation = cls(**spec.params).isolation()
             held = ", ".join(k for k, v in isolation.items() if v) or "none"

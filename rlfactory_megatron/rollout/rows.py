@@ -26,6 +26,7 @@ class RowSummary:
     tool_calls: int
     tool_errors: dict[str, int] = field(default_factory=dict)  # failed calls by error_kind; parse errors as "malformed_call"
     versions: dict[int, int] = field(default_factory=dict)  # weight version -> generated tokens it produced
+    stop_reason: str = ""  # the agent loop's: answer | max_turns | token_budget
 
     @property
     def tokens(self) -> int:
@@ -146,6 +147,8 @@ class Rollouts:
                    "rollout/response_tokens_max": float(max(r.response_tokens for r in rows)),
                    "rollout/turns_mean": float(np.mean([r.turns for r in rows])),
                    "rollout/tool_calls_per_sample": calls / len(rows),
+                   # cut at rollout.max_response_tokens (verl's response_length/clip_ratio)
+                   "rollout/clip_ratio": sum(r.stop_reason == "token_budget" for r in rows) / len(rows),
                    "rollout/num_engines": float(len(self.engine_stats))}
         for kind in (*TOOL_ERROR_KINDS, "other"):
             metrics[f"tools/errors/{kind}"] = float(sum(r.tool_errors.get(kind, 0) for r in rows))

@@ -63,3 +63,42 @@ def library_output_to(log_path: Path, enabled: bool = True):
             os.environ.pop("VLLM_CONFIGURE_LOGGING", None)
         else:
             os.environ["VLLM_CONFIGURE_LOGGING"] = previous_vllm
+
+
+class _Copied:
+    """A text stream whose writes also go to a file (the run's console.log)."""
+
+    def __init__(self, stream, file, path: Path) -> None:
+        self.stream, self.file, self.path = stream, file, path
+
+    def write(self, text: str) -> int:
+        self.file.write(text)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.file.flush()
+        self.stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+@contextlib.contextmanager
+def console_copied_to(path: Path, enabled: bool = True):
+    """Within the block our own console lines (sys.stdout and sys.stderr) are also appended to
+    `path`, so a run's own account of itself outlives the terminal. A rank running in the
+    process that already copies to `path` copies once."""
+    copied = [getattr(stream, "path", None) == path for stream in (sys.stdout, sys.stderr)]
+    if not enabled or all(copied):
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    saved = sys.stdout, sys.stderr
+    with open(path, "a", buffering=1) as file:
+        sys.stdout, sys.stderr = (stream if done else _Copied(stream, file, path) for stream, done in zip(saved, copied))
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            sys.stdout, sys.stderr = saved

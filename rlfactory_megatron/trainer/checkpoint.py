@@ -13,6 +13,16 @@ import torch.distributed as dist
 STATE_FILE = "trainer_state.json"
 ACTOR_DIR = "actor"
 HF_DIR = "hf"  # the actor as a HF model folder
+CONFIG_FILE = "config.yaml"  # the run's whole config, in its output folder and in each checkpoint
+
+# Keys a resumed run may change: how long it runs, what it keeps, logs and validates, and how
+# fast it goes. Any other key changes the model or its trajectories: a resume with another value
+# is another run, refused.
+MAY_CHANGE_ON_RESUME = ("trainer.total_steps", "trainer.save_every", "trainer.keep_last", "trainer.save_hf",
+                        "trainer.resume", "trainer.output_dir", "trainer.val_every", "trainer.val_prompts",
+                        "trainer.sft_cache", "trainer.max_skipped_updates", "logging.", "weight_sync.bucket_mb",
+                        "tools.num_workers", "tools.max_concurrency", "tools.channel", "reward.num_workers",
+                        "rollout.gpu_memory_utilization", "parallel.device_memory_gib", "cache.tool_cache_max_mb")
 
 
 def checkpoint_dir(output: Path, step: int) -> Path:
@@ -86,6 +96,40 @@ def resume_directory(choice: str, output: Path) -> Path | None:
     if not (directory / STATE_FILE).is_file():
         raise ValueError(f"trainer.resume='{choice}' is not a checkpoint folder (no {STATE_FILE})")
     return directory
+
+
+def check_resume(cfg, output: Path) -> Path | None:
+    """The checkpoint this run resumes (None: it starts fresh), after comparing the config it was
+    trained with against `cfg`: a changed key outside MAY_CHANGE_ON_RESUME raises ValueError
+    naming each (an output folder holds one run). A checkpoint from before configs were kept in
+    checkpoints is compared with the folder's config.yaml."""
+    from omegaconf import OmegaConf
+
+    directory = resume_directory(cfg.trainer.resume, output)
+    if directory is None:
+        return None
+    stored = next((f for f in (directory / CONFIG_FILE, output / CONFIG_FILE) if f.is_file()), None)
+    if stored is None:
+        return directory
+    before = _leaves(OmegaConf.to_container(OmegaConf.create(stored.read_text())))
+    now = _leaves(OmegaConf.to_container(cfg, resolve=True))
+    # (a key only one release has has no value to differ from)
+    changed = [f"{key}={now[key]} (was {before[key]})" for key in sorted(before.keys() & now.keys())
+               if before[key] != now[key] and not key.startswith(MAY_CHANGE_ON_RESUME)]
+    if changed:
+        raise ValueError(f"trainer.resume={cfg.trainer.resume} would continue {directory}, trained with other settings: "
+                         f"{'; '.join(changed)}; give this run its own trainer.output_dir (or restore those "
+                         "settings, or trainer.resume=never to start over in this folder)")
+    return directory
+
+
+def _leaves(tree, prefix: str = "") -> dict:
+    if not isinstance(tree, dict) or not tree:
+        return {prefix[:-1]: tree}
+    out = {}
+    for key, value in tree.items():
+        out.update(_leaves(value, f"{prefix}{key}."))
+    return out
 
 
 def load_checkpoint(directory: Path, actor, critic, sampler) -> tuple[int, str | None]:

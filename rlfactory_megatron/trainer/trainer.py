@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
 from rlfactory_megatron.actor.learner import Learner
 from rlfactory_megatron.models.builder import BuildOptions, MoEOptions
@@ -31,7 +32,8 @@ from rlfactory_megatron.runtime.stop import StopRequest
 from rlfactory_megatron.trainer.data import PromptSampler, run_records
 from rlfactory_megatron.trainer.logger import MetricsLogger, wandb_settings
 from rlfactory_megatron.trainer.presets import ALGORITHM_PRESETS, trains_critic
-from rlfactory_megatron.trainer.checkpoint import HF_DIR, checkpoint_dir, load_checkpoint, resume_directory, save_checkpoint
+from rlfactory_megatron.trainer.checkpoint import (CONFIG_FILE, HF_DIR, checkpoint_dir, load_checkpoint,
+                                                   resume_directory, save_checkpoint)
 from rlfactory_megatron.trainer.sft import demonstration_rows, sft_warm_start
 from rlfactory_megatron.trainer.tasks import run_tool_specs
 from rlfactory_megatron.trainer.warm_start_cache import WarmStartCache, warm_start_key
@@ -63,6 +65,8 @@ class Trainer:
         self.sampler = PromptSampler(len(self.records), cfg.trainer.seed)
         self.step_index = 0
         self.stopped_by: int | None = None  # the signal that stopped the run early (runtime/stop.py)
+        self.last_validation: tuple[int, float] | None = None  # (step, held-out score) of the latest validation
+        self.last_checkpoint: Path | None = None
         self.logger = None
         self.collectives = RankCollectives()
         self.fleet = EngineFleet(cfg, self.hf_dir, self.output, self.collectives)
@@ -142,14 +146,16 @@ class Trainer:
         # A stop signal from here on (runtime/stop.py) ends the run after the RL step under way.
         with StopRequest() as stop:
             self._maybe_resume()
+            first: dict[str, float] = {}  # step 0's record: the warm-start's loss, validation before RL
             if self.cfg.trainer.sft_steps > 0 and self.step_index == 0:
-                self.sft_warm_start()
+                first.update(self.sft_warm_start())
             if self.cfg.trainer.val_every and self.step_index == 0:
-                before = self.validate()  # the baseline the run's validation curve starts from
+                first.update(self.validate())  # the baseline the run's validation curve starts from
                 if self.is_leader:
-                    self.logger.log(0, before, progress=False)
-                    print(f"rlf-train: validation before RL: score {before['val/score_mean']:.3f} "
+                    print(f"rlf-train: validation before RL: score {first['val/score_mean']:.3f} "
                           f"on {len(self.val_records)} held-out prompts", flush=True)
+            if first and self.is_leader:
+                self.logger.log(0, first, progress=False)
             last: dict[str, float] = {}
             while self.step_index < self.cfg.trainer.total_steps:
                 last = self.step()
@@ -157,7 +163,9 @@ class Trainer:
                     last.update(self.validate())
                 if self.is_leader:
                     self.logger.log(self.step_index, last)
-                saved = self.cfg.trainer.save_every and self.step_index % self.cfg.trainer.save_every == 0
+                every = self.cfg.trainer.save_every
+                # The last step too (save_every 0: no checkpoints): a run never ends unsaved.
+                saved = every > 0 and (self.step_index % every == 0 or self.step_index == self.cfg.trainer.total_steps)
                 if saved:
                     self.save_checkpoint()
                 if self._stopped(stop, saved):
@@ -187,6 +195,12 @@ class Trainer:
         A few of them go to TensorBoard as text (`val/trajectories`)."""
         rollouts = self.generator.rollout(self.val_records, self.step_index, greedy=True)
         scores = self.generator.rewards(rollouts).scores
+        metrics = {"val/score_mean": float(np.mean(scores))}
+        by_source: dict[str, list[float]] = {}
+        for record, score in zip(rollouts.records, scores):
+            by_source.setdefault(record.data_source, []).append(score)
+        metrics.update({f"val/{source}/score_mean": float(np.mean(s)) for source, s in sorted(by_source.items())})
+        self.last_validation = (self.step_index, metrics["val/score_mean"])
         if self.logger is not None and rollouts.local:
             from rlfactory_megatron.envs.storage.text import render
 
@@ -194,10 +208,11 @@ class Trainer:
             text = "\n\n".join(render(rollouts.stored_record(rollouts.row_data(row), self.step_index, np.zeros(0)),
                                       self.tokenizer, prompt_chars=300) for row in shown)
             self.logger.text("val/trajectories", text, self.step_index)
-        return {"val/score_mean": float(np.mean(scores))}
+        return metrics
 
-    def sft_warm_start(self) -> None:
-        """Supervised steps on the prompts' demonstrations (sft.py), then the weights to the engines."""
+    def sft_warm_start(self) -> dict[str, float]:
+        """Supervised steps on the prompts' demonstrations (sft.py), then the weights to the engines;
+        returns the warm-start's last loss, for step 0's record."""
         rows = self.collectives.broadcast(demonstration_rows(self.records, self.generator.manager,
                                                              self.generator.tool_schemas, self.cfg.rollout.max_prompt_tokens,
                                                              self.cfg.rollout.truncation)
@@ -205,18 +220,23 @@ class Trainer:
         cache = (WarmStartCache(self.cfg.trainer.sft_cache, warm_start_key(self.cfg, self.hf_dir, rows), self.output)
                  if self.cfg.trainer.sft_cache else None)
         self.fleet.sleep()  # as before any training; the sync below wakes the engines
-        sft_warm_start(self.learner.actor, rows, self.cfg.trainer, verbose=self.is_leader, cache=cache)
+        metrics = sft_warm_start(self.learner.actor, rows, self.cfg.trainer, verbose=self.is_leader, cache=cache)
         self._sync_weights()
+        return {"sft/loss": metrics["sft/loss"]}  # (a warm-start loaded from trainer.sft_cache knows only its loss)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
         ahead = self.generator.state()
+        files = {CONFIG_FILE: OmegaConf.to_yaml(self.cfg).encode()}  # what a resume is compared with
+        if ahead is not None:
+            files[AHEAD_FILE] = ahead
         learner = self.learner
         with self._state_on_device():
-            return save_checkpoint(self.output, self.step_index, learner.actor, learner.critic, self.sampler,
-                                   self.cfg.trainer.keep_last, self.hf_dir, self.cfg.trainer.save_hf,
-                                   files={AHEAD_FILE: ahead} if ahead is not None else None,
-                                   wandb_run_id=self.logger.wandb_run_id if self.logger is not None else None)
+            self.last_checkpoint = save_checkpoint(
+                self.output, self.step_index, learner.actor, learner.critic, self.sampler, self.cfg.trainer.keep_last,
+                self.hf_dir, self.cfg.trainer.save_hf, files=files,
+                wandb_run_id=self.logger.wandb_run_id if self.logger is not None else None)
+        return self.last_checkpoint
 
     def _maybe_resume(self) -> None:
         directory = resume_directory(self.cfg.trainer.resume, self.output)

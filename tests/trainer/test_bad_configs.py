@@ -28,6 +28,8 @@ def files(root: Path) -> dict[str, str]:
         "REWARD_SYNTAX": "def compute_score(:\n",
         "REWARD_RAISES_ON_IMPORT": "raise RuntimeError('boom at import')\n",
         "NO_MODEL_YAML": "trainer:\n  total_steps: 5\n",
+        "NO_DATA_YAML": "model:\n  path: tiny://qwen3\n",  # a user's config naming no data (issue 61 item 1)
+        "TOOLS_AS_CONFIG": "tools:\n  - class: calculator\n",
         # rows as a user's file has them: no demonstrations; the second one's prompt is long
         "DATA": _rows({"prompt": "What is 2 + 3?", "ground_truth": "5"},
                       {"prompt": "What is " + " + ".join(["12"] * 200) + "?", "ground_truth": "2400"},
@@ -39,6 +41,23 @@ def files(root: Path) -> dict[str, str]:
         path = root / (name.lower() + {"REWARD": ".py", "DATA": ".jsonl"}.get(name.split("_")[0], ".yaml"))
         path.write_text(text)
         out[name] = str(path)
+    # Model folders short of what a run reads (item 4): found missing by a look, before any load.
+    config = json.dumps({"model_type": "qwen3", "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
+                         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 768})
+    for name, model_files in {"MODEL_NO_CONFIG": {}, "MODEL_NO_TOKENIZER": {"config.json": config},
+                              "MODEL_NO_TEMPLATE": {"config.json": config, "tokenizer.json": "{}",
+                                                    "tokenizer_config.json": "{}"}}.items():
+        folder = root / name.lower()
+        folder.mkdir()
+        for file, text in model_files.items():
+            (folder / file).write_text(text)
+        out[name] = str(folder)
+    # Another run's output folder: its checkpoint was trained on another model (item 3).
+    other = root / "other_run" / "checkpoints" / "step_000001"
+    other.mkdir(parents=True)
+    (other / "trainer_state.json").write_text("{}")
+    (other / "config.yaml").write_text("model:\n  path: /models/Qwen2.5-7B-Instruct\ntrainer:\n  total_steps: 9\n")
+    out["OTHER_RUN"] = str(root / "other_run")
     return out
 
 
@@ -131,11 +150,28 @@ CASES = [
     # The data, checked before any model loads: what once failed after the actor and reference had loaded.
     (["trainer.data_path=DATA"], "trainer.sft_steps=400 needs demonstrations, and no training row has one"),
     (["trainer.data_path=DATA", "trainer.sft_steps=0"],
-     ('data.jsonl row 1 ("What is 12 + 12 + 12', "tokens (chat template and tool schemas), over "
+     # rendered without tool schemas: a user's data gets no tool it did not declare (issue 61 item 1)
+     ('data.jsonl row 1 ("What is 12 + 12 + 12', "tokens (chat template), over "
                                                   "rollout.max_prompt_tokens=256; raise rollout.max_prompt_tokens")),
     (["trainer.data_path=DATA_UNSCORED", "trainer.sft_steps=0", "reward.scorer=null"],
      "reward.scorer=null picks each row's scorer by its data_source, and no reward scorer for 'my/colours'"),
+    # Issue 61: what a user's own run reads, refused before anything starts (each also with --check,
+    # --print-config and --plan below).
+    (["--config", "NO_DATA_YAML"], "trainer.data_path is not set: give the run's prompts"),
+    (["trainer.data_path=/nonexistent/train.parquet"], "trainer.data_path='/nonexistent/train.parquet' does not exist"),
+    (["model.path=MODEL_NO_CONFIG"], "model_no_config' is not a Hugging Face model folder (no config.json)"),
+    (["model.path=MODEL_NO_TOKENIZER"], "model_no_tokenizer' has no tokenizer"),
+    (["model.path=MODEL_NO_TEMPLATE"], ("model.path=", "model_no_template' has no chat template")),
+    (["trainer.resume=disable"], "trainer.resume='disable' is not auto, never or a checkpoint folder"),
+    (["trainer.output_dir=OTHER_RUN"], ("would continue", "trained with other settings: model.path=tiny://qwen3 "
+                                        "(was /models/Qwen2.5-7B-Instruct)", "give this run its own trainer.output_dir")),
+    (["--config", "TOOLS_AS_CONFIG"], "is a tools file (a 'tools:' list), not a run config: give it as tools.config_path="),
+    (["--verbose", "rollout.n=0"], "rollout.n=0 must be >= 1"),  # an override after a flag (item 8)
 ]
+# Cases whose error comes from an input --print-config reads too (they printed the tree); --plan
+# reads only the config and the model's config.json (a job is planned where its data is not).
+INPUT_CASES = range(len(CASES) - 9, len(CASES) - 3)
+PLAN_CASES = (len(CASES) - 9, len(CASES) - 7, len(CASES) - 4)  # no data named, no config.json, resume=disable
 
 
 # Every case through rlf-train's own entry point (`rlfactory_megatron.cli.train.main`, what the
@@ -215,4 +251,15 @@ def test_every_bad_config_is_refused_at_once_with_the_key_named(tmp_path):
         alone = _console_script(cases[number], env)
         _check(args, expected, alone)
         assert alone["stderr"].splitlines()[-1] == results[number]["stderr"].splitlines()[-1]
+    # `rlf-train --check` refuses every one the same way; --print-config and --plan each input mistake
+    # (they accepted a missing data file, a model folder without config.json or tokenizer, a bad resume).
+    checked = ([["--check", *argv] for argv in cases] + [["--print-config", *cases[n]] for n in INPUT_CASES]
+               + [["--plan", *cases[n]] for n in PLAN_CASES])
+    driven = subprocess.run([str(BIN / "python"), "-c", DRIVER], input=json.dumps(checked), capture_output=True,
+                            text=True, env=env, timeout=900)
+    assert driven.returncode == 0, driven.stderr[-3000:]
+    again = json.loads(driven.stdout.splitlines()[-1])
+    expected = CASES + [CASES[n] for n in INPUT_CASES] + [CASES[n] for n in PLAN_CASES]
+    for argv, (args, message), result in zip(checked, expected, again):
+        _check(argv, message, result)
     assert not output.exists()  # refused before any work, also the output folder

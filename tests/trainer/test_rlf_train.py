@@ -3,6 +3,8 @@ weight sync into vLLM, metrics/TensorBoard/checkpoints; a run killed with SIGKIL
 continues exactly (at tp=2 by hand: two engines, one per TP rank); DAPO's dynamic sampling; bad
 config fails before any work."""
 
+import os
+
 import pytest
 
 from rlf_train_cli import (assert_same_metrics, check_device_phases, kill_after_checkpoint, recording_env,
@@ -45,8 +47,26 @@ def test_killed_run_resumes_and_continues_exactly(tmp_path):
     assert "reused from" not in full.stdout
     assert "step 4/4 | reward" in full.stdout
     run = tmp_path / "full"
+    closing = full.stdout.splitlines()[-1]
+    assert closing.startswith("rlf-train: done.") and "held-out score" in closing and "(step 4)" in closing, closing
+    assert f"model: {run / 'checkpoints' / 'step_000004' / 'hf'}" in closing
+    console = (run / "logs" / "console.log").read_text()  # the run's own lines, kept (issue 61 item 7)
+    assert "SFT warm-start done" in console and "step 4/4 | reward" in console and closing in console
+    assert "Traceback" not in console
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (run / "checkpoints" / "step_000004" / "hf" / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
     uninterrupted = records(run)
-    assert [r["step"] for r in uninterrupted] == [0, 1, 2, 3, 4]  # step 0: validation before RL
+    assert [r["step"] for r in uninterrupted] == [0, 1, 2, 3, 4]  # step 0: the warm-start, validation before RL
+    assert uninterrupted[0]["sft/loss"] > 0 and "val/calculator_arithmetic/score_mean" in uninterrupted[0]
+    last = uninterrupted[-1]
+    for key in ("train/advantages/mean", "train/advantages/min", "train/advantages/max", "reward/score/min",
+                "reward/score/max", "rollout/clip_ratio", "val/calculator_arithmetic/score_mean"):
+        assert key in last, key
+    assert last["reward/score/min"] <= last["reward/score/mean"] <= last["reward/score/max"]
+    assert last["train/advantages/min"] <= last["train/advantages/mean"] <= last["train/advantages/max"]
+    assert 0 <= last["rollout/clip_ratio"] <= 1
+    assert last["val/calculator_arithmetic/score_mean"] == last["val/score_mean"]  # the task's one source
     assert all(r["rollout/num_engines"] == 2 for r in uninterrupted[1:])
     # 2 optimizer steps per RL step: the LR after each RL step's last one
     assert [r["actor/lr"] for r in uninterrupted[1:]] == pytest.approx([5e-7, 1e-6, 1e-6, 1e-6])
@@ -80,12 +100,22 @@ def test_killed_run_resumes_and_continues_exactly(tmp_path):
     kill_after_checkpoint(tmp_path, "killed", "step_000002", *RESUMED_RUN, warm_starts, "actor.offload=true")
     assert f"reused from {tmp_path / 'warm-starts'}" in (tmp_path / "killed.log").read_text()
     recorded = tmp_path / "phases.jsonl"
-    resumed = rlf_train(tmp_path, "killed", *RESUMED_RUN, warm_starts, "actor.offload=true", env=recording_env(recorded))
+    # Resumed as a run of 3 steps (save_every=2: its last step is saved all the same, issue 61 item 2),
+    # then continued to step 4 from that checkpoint: together what the uninterrupted run did.
+    resumed = rlf_train(tmp_path, "killed", *RESUMED_RUN, warm_starts, "actor.offload=true", "trainer.total_steps=3",
+                        env=recording_env(recorded))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "step_000002 at step 2" in resumed.stdout
-    # resume and 2 steps, each after a level-2 sleep; the checkpoint of step 4 after a level-1 sleep (with both
+    # resume and 1 step, each after a level-2 sleep; the checkpoint of step 3 after a level-1 sleep (with both
     # engines of tp=2, each recorded)
-    assert check_device_phases(recorded, offload=True) == {2: 2 * 3, 1: 2}
+    assert check_device_phases(recorded, offload=True) == {2: 2 * 2, 1: 2}
+    assert (tmp_path / "killed" / "checkpoints" / "step_000003").is_dir()
+    continued = rlf_train(tmp_path, "killed", *RESUMED_RUN, warm_starts, "actor.offload=true")
+    assert continued.returncode == 0, continued.stderr[-3000:]
+    assert "step_000003 at step 3" in continued.stdout
+    # config.yaml is the last attempt's; each earlier one that differs is kept (total_steps 4, then 3)
+    kept = [tmp_path / "killed" / f"config.{n}.yaml" for n in (1, 2)]
+    assert ["total_steps: 4" in kept[0].read_text(), "total_steps: 3" in kept[1].read_text()] == [True, True]
     assert "SFT warm-start done" not in resumed.stdout  # warm-start belongs to a fresh run only
     with RolloutStore(tmp_path / "killed" / "cache" / "rollouts", readonly=True) as store:
         assert store.steps() == [1, 2, 3, 4] and all(len(store.read_step(s)) == 4 for s in (1, 2, 3, 4))
@@ -94,7 +124,7 @@ def test_killed_run_resumes_and_continues_exactly(tmp_path):
     assert_same_metrics(after, uninterrupted)
     assert stored_trajectories(tmp_path / "killed") == stored_trajectories(run)  # each trajectory once, as trained
     killed = tmp_path / "killed"
-    assert wandb_runs(killed) == 2 * [checkpoint_state(killed, 2)["wandb_run_id"]]  # killed + resumed: one run
+    assert wandb_runs(killed) == 3 * [checkpoint_state(killed, 4)["wandb_run_id"]]  # killed + resumed twice: one run
 
 
 def test_dapo_with_the_rollout_correction_and_the_engines_sleeping_through_training(tmp_path):
