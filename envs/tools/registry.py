@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -23,20 +25,28 @@ class ToolSpec:
     params: dict[str, Any] = field(default_factory=dict)
     cacheable: bool | None = None  # None: the tool class's own default
     description: str | None = None  # None: the tool class's own; else what the model is shown
+    # Folders a tool's module is also found in (absolute, so that a tool actor on any node finds it):
+    # the tools file's and the working directory the run started in.
+    module_dirs: tuple[str, ...] = ()
 
 
-def resolve_tool_class(ref: str) -> type:
-    """A registered name (`calculator`) or a dotted path (`pkg.module.Class` / `pkg.module:Class`)."""
+def resolve_tool_class(ref: str, module_dirs: tuple[str, ...] = ()) -> type:
+    """A registered name (`calculator`) or a dotted path (`pkg.module.Class` / `pkg.module:Class`),
+    its module looked for on sys.path, then in `module_dirs`."""
     _import_builtins()
     if ref in TOOL_REGISTRY:
         return TOOL_REGISTRY.get(ref)
     module_name, sep, attr = ref.replace(":", ".").rpartition(".")
     if not sep:
         raise ValueError(f"unknown tool class '{ref}'; use a registered name ({', '.join(sorted(TOOL_REGISTRY))}) or a dotted path")
+    for folder in module_dirs:
+        if folder not in sys.path:
+            sys.path.append(folder)  # after the installed packages: a tool module never shadows one
     try:
         return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
-        raise ValueError(f"tool class '{ref}' cannot be imported: {exc}") from exc
+        where = f" (looked for on sys.path and in {', '.join(module_dirs)})" if module_dirs else ""
+        raise ValueError(f"tool class '{ref}' cannot be imported: {exc}{where}") from exc
 
 
 def parse_tool_specs(config: Any) -> list[ToolSpec]:
@@ -67,8 +77,13 @@ def parse_tool_specs(config: Any) -> list[ToolSpec]:
 
 
 def load_tool_specs(path: str | Path) -> list[ToolSpec]:
+    """A tools file's declarations; a tool module beside the file or in the working directory is found."""
     with open(path) as f:
-        return parse_tool_specs(yaml.safe_load(f))
+        specs = parse_tool_specs(yaml.safe_load(f))
+    folders = tuple(dict.fromkeys((str(Path(path).resolve().parent), os.getcwd())))
+    for spec in specs:
+        spec.module_dirs = folders
+    return specs
 
 
 def check_tool_specs(specs: list[ToolSpec]) -> None:
@@ -78,7 +93,7 @@ def check_tool_specs(specs: list[ToolSpec]) -> None:
 
     for i, spec in enumerate(specs):
         try:
-            cls = resolve_tool_class(spec.cls)
+            cls = resolve_tool_class(spec.cls, spec.module_dirs)
         except ValueError as exc:
             raise ValueError(f"tools[{i}]: {exc}") from None
         try:

@@ -19,7 +19,7 @@ class ToolBox:
         toolsets: list[BaseToolset] = []
         for i, spec in enumerate(specs):
             try:
-                obj = resolve_tool_class(spec.cls)(**spec.params)
+                obj = resolve_tool_class(spec.cls, spec.module_dirs)(**spec.params)
             except TypeError as exc:
                 raise ValueError(f"tools[{i}] ({spec.cls}): bad params {sorted(spec.params)}: {exc}") from exc
             if isinstance(obj, BaseToolset):

@@ -44,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
                                "reward, advantage (decoded with the run's tokenizer)")
     show.add_argument("directory", type=Path, help="a training run's output folder, or its cache/rollouts")
     show.add_argument("--step", type=int, help="default: the last stored step")
-    show.add_argument("--sample", help="one sample id (e.g. 00003); default: every sample of the step")
+    show.add_argument("--sample", help="one sample id (00003, or 3); default: every sample of the step")
     show.add_argument("--tokenizer", help="HF folder of the tokenizer (default: the run's model)")
     show.add_argument("--full-prompt", action="store_true", help="the whole prompt, not its last 2000 characters")
     show.set_defaults(run=_show)
@@ -57,7 +57,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _shard_paths(paths: list[Path]) -> list[Path]:
-    found = [shard for path in paths for shard in (list_shards(path) if path.is_dir() else [path])]
+    """Shard files, cache folders' shards, or a run's output folder's (as `show` takes it)."""
+    found = []
+    for path in paths:
+        if not path.is_dir():
+            found.append(path)
+            continue
+        found += list_shards(path) or [shard for base in (path, path / "cache") for kind in STORE_FOLDERS
+                                       for shard in list_shards(base / kind)]
     if not found:
         raise ShardError(f"no shard files (shard-*-of-*.h5) in {', '.join(map(str, paths))}")
     return found
@@ -113,6 +120,10 @@ def _run_tokenizer(directory: Path, tokenizer: str | None = None):
     return AutoTokenizer.from_pretrained(tokenizer)
 
 
+# The cache's stores, each a folder of shards (rollout/generator.py lays them out).
+STORE_FOLDERS = ("rollouts", "tool_artifacts")
+
+
 def _rollouts_dir(directory: Path) -> Path:
     """A run's rollout store: `directory` itself, or the cache of the run it is the output of."""
     return directory / "cache" / "rollouts" if (directory / "cache" / "rollouts").is_dir() else directory
@@ -148,7 +159,9 @@ def _show(args: argparse.Namespace) -> int:
             raise ValueError(f"no rollout records for step {step} in {directory}; stored steps: "
                              f"{steps[0]}..{steps[-1]}")
         try:
-            records = [store.read(step, args.sample)] if args.sample else store.read_step(step)
+            # a sample id as stored (00003), or its number (3)
+            sample = f"{int(args.sample):05d}" if args.sample and args.sample.isdigit() else args.sample
+            records = [store.read(step, sample)] if sample else store.read_step(step)
         except KeyError as exc:
             raise ValueError(exc.args[0]) from None
     for record in sorted(records, key=lambda r: r.sample_id):

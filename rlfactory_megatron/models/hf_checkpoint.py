@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -68,6 +69,14 @@ def copy_non_weight_files(src: str | Path, dst: str | Path) -> None:
             shutil.copy2(path, dst / path.name)
 
 
+def _as_umask_allows(path: Path) -> None:
+    """safetensors writes its file 0600; an exported model is read by others (a serving job, a
+    colleague) as any file the user writes."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def write_safetensors_shards(
     tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str | Path, max_shard_bytes: int = 2 * 1024**3
 ) -> list[str]:
@@ -84,6 +93,7 @@ def write_safetensors_shards(
         if shards[-1]:
             tmp_name = f"shard-{len(written):05d}.tmp"
             save_file(shards[-1], str(out_dir / tmp_name), metadata={"format": "pt"})
+            _as_umask_allows(out_dir / tmp_name)
             written.append((tmp_name, list(shards[-1])))
         shards[-1] = {}
         shard_bytes = 0

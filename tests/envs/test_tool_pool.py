@@ -249,3 +249,31 @@ def test_start_names_the_error_when_no_channel_can_be_reached(ray_session, monke
     config = ToolPoolConfig(FAULTS, num_actors=1, num_cpus_per_actor=0, channel="tcp")
     with pytest.raises(RuntimeError, match="tool actor 0: no connection .*ConnectionRefusedError: nothing listens"):
         with_pool(config, lambda pool: asyncio.sleep(0))
+
+
+def test_item5_a_tool_module_beside_its_tools_file_runs_in_the_tool_actors(ray_session, tmp_path, monkeypatch):
+    """Issue 61 item 5: docs/tools.md's own tool, in a module beside the tools YAML (not on any
+    path: `No module named 'my_tools'` before), is found at load and in the Ray tool actors."""
+    from rlfactory_megatron.envs.tools.registry import check_tool_specs, load_tool_specs
+
+    folder = tmp_path / "my_project"
+    folder.mkdir()
+    (folder / "rlf_item5_tools.py").write_text(
+        "from rlfactory_megatron.envs.tools.base import BaseTool, ToolResult\n\n"
+        "class WordCount(BaseTool):\n"
+        "    name = 'word_count'\n"
+        "    description = 'Count the words of a text.'\n"
+        "    parameters = {'type': 'object', 'properties': {'text': {'type': 'string'}}, 'required': ['text']}\n\n"
+        "    async def execute(self, arguments: dict) -> ToolResult:\n"
+        "        return ToolResult(text=str(len(arguments['text'].split())))\n")
+    (folder / "tools.yaml").write_text("tools:\n  - class: rlf_item5_tools:WordCount\n")
+    monkeypatch.chdir(tmp_path)  # the working directory is not the module's folder
+    specs = load_tool_specs(folder / "tools.yaml")
+    check_tool_specs(specs)
+    config = ToolPoolConfig(specs, num_actors=1, num_cpus_per_actor=0, call_timeout_s=30)
+
+    async def body(pool):
+        return await pool.call("word_count", {"text": "one two three"})
+
+    result = with_pool(config, body)
+    assert not result.is_error and result.text == "3", result

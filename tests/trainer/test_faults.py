@@ -81,6 +81,16 @@ def test_a_run_with_faulty_tools_and_rewards_trains_to_the_end(tmp_path):
     shown = subprocess.run([str(BIN / "rlf-cache"), "show", str(tmp_path / "run"), "--step", str(called)],
                            capture_output=True, text=True, env=env, timeout=120).stdout
     assert "--- tool call (turn 0): calculator(" in shown
+    # One sample by its number (issue 61 item 8: `--sample 3` was refused, 00003 needed); stats and
+    # verify take the run's output folder as show does (they said "no shard files").
+    one = subprocess.run([str(BIN / "rlf-cache"), "show", str(tmp_path / "run"), "--step", str(STEPS), "--sample", "3"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert one.returncode == 0 and one.stdout.count("=== step ") == 1 and f"=== step {STEPS} sample 00003" in one.stdout
+    for command in ("stats", "verify"):
+        done = subprocess.run([str(BIN / "rlf-cache"), command, str(tmp_path / "run")], capture_output=True, text=True,
+                              env=env, timeout=120)
+        assert done.returncode == 0, (command, done.stderr[-2000:])
+        assert "shard-00000-of-00001.h5" in done.stdout or "shard(s) checked, 0 problem(s)" in done.stdout, done.stdout
     out = tmp_path / "step.jsonl"
     subprocess.run([str(BIN / "rlf-cache"), "export", str(tmp_path / "run"), "--step", str(STEPS), "--out", str(out), "--text"],
                    check=True, capture_output=True, env=env, timeout=120)
