@@ -114,7 +114,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"--world-size {args.world_size}: give --plan a job size >= 1 to plan for")
             world = args.world_size
         validate_against_model(cfg, arch, world)
-        plan = memory_plan(cfg, arch, world, device_memory())
+        judge = cfg.reward.model
+        judge_arch = (load_arch(resolve_model_path(judge.path))
+                      if judge.kind is not None and judge.placement == "colocated" and judge.path else None)
+        plan = memory_plan(cfg, arch, world, device_memory(), judge_arch)
         if args.plan:
             if launch.rank == 0:
                 print(plan.render())
