@@ -47,6 +47,7 @@ class JudgeSpec:
     max_prompt_tokens: int
     temperature: float
     on_error: float
+    gpu_memory_utilization: float  # its share of each of its devices (resolved at load)
 
     @classmethod
     def from_config(cls, reward) -> "JudgeSpec | None":
@@ -58,7 +59,8 @@ class JudgeSpec:
             raise RewardConfigError(f"reward.model.path: reward.model.kind={model.kind} needs the judge's model: a "
                                     "Hugging Face folder (or tiny://qwen3 for a tiny test model)")
         return cls(model.kind, model.path, model.tp, model.num_engines, model.placement, model.template, model.parser,
-                   model.max_tokens, model.max_prompt_tokens, model.temperature, model.on_error)
+                   model.max_tokens, model.max_prompt_tokens, model.temperature, model.on_error,
+                   model.gpu_memory_utilization)
 
     def check(self) -> None:
         """Everything that can be known before an engine starts: refuses bad settings, naming the key."""
@@ -318,7 +320,8 @@ def start_judge(cfg, layout, cache=None) -> ServedModelReward | None:
     """The run's judge on this generating process (None without `reward.model.kind`): Ray actors
     (a process of its own each, as this one may hold the policy's in-process engine), placement
     own: `num_engines` with devices of their own; colocated: one on this process's engine devices,
-    with vLLM's sleep mode on GPU. They serve up to the judge's prompt and reply caps, as many
+    with vLLM's sleep mode on GPU, asleep once started (started while the policy engine sleeps:
+    rollout/judge_turns.py). They serve up to the judge's prompt and reply caps, as many
     requests at once as a rollout engine (rollout.max_num_seqs)."""
     import torch
 
@@ -335,7 +338,7 @@ def start_judge(cfg, layout, cache=None) -> ServedModelReward | None:
     on_gpu = torch.cuda.is_available()
     engine_args = dict(dtype=cfg.model.params_dtype, tensor_parallel_size=spec.tp,
                        max_model_len=spec.max_prompt_tokens + spec.max_tokens, max_num_seqs=cfg.rollout.max_num_seqs,
-                       memory_utilization=cfg.rollout.gpu_memory_utilization, seed=cfg.trainer.seed, runner=kind.runner)
+                       memory_utilization=spec.gpu_memory_utilization, seed=cfg.trainer.seed, runner=kind.runner)
     placement = {"num_gpus": spec.tp if on_gpu else 0}
     if not spec.overlaps_generation:
         placement = {"num_gpus": 0, "enable_sleep_mode": on_gpu}
@@ -352,4 +355,6 @@ def start_judge(cfg, layout, cache=None) -> ServedModelReward | None:
     judge = kind(spec, hf_dir, make_engine, cache)
     for engine in judge.engines:  # a judge that cannot start stops the run here, with its engine's error
         engine.weight_names()
+        if not spec.overlaps_generation:  # asleep from the start: the policy engine generates first
+            engine.sleep(1)
     return judge

@@ -123,7 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(to_yaml(cfg))
             return 0
-        plan = memory_plan(cfg, arch, world, device_memory())
+        judge = cfg.reward.model
+        judge_arch = (load_arch(resolve_model_path(judge.path, "reward.model.path", tokenizer=not args.plan))
+                      if judge.kind is not None and judge.placement == "colocated" and judge.path else None)
+        plan = memory_plan(cfg, arch, world, device_memory(), judge_arch)
         if args.plan:
             if launch.rank == 0:
                 print(plan.render())

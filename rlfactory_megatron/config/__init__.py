@@ -188,7 +188,7 @@ def _leaf_keys(node, prefix: str = "") -> set[str]:
 def _resolve_auto(cfg, for_gpu: bool = False) -> None:
     """`auto` values made concrete once, so that every rank, the engines and the saved config see
     the same: the parameters' dtype for the layer spec on this machine, the mode's own weight-sync
-    transport. (`model.layer_spec` and `tools.channel` stay `auto`: each node resolves them for
+    transport, the judge's device share. (`model.layer_spec` and `tools.channel` stay `auto`: each node resolves them for
     its own devices and network.)"""
     from rlfactory_megatron.models.builder import resolve_params_dtype
     from rlfactory_megatron.rollout.modes import ROLLOUT_MODES
@@ -200,6 +200,8 @@ def _resolve_auto(cfg, for_gpu: bool = False) -> None:
     if cfg.weight_sync.transport == "auto":
         cfg.weight_sync.transport = ROLLOUT_MODES.get(cfg.rollout.mode).transport
     _resolve_tools(cfg)
+    if cfg.reward.model.gpu_memory_utilization is None:
+        cfg.reward.model.gpu_memory_utilization = cfg.rollout.gpu_memory_utilization
     if cfg.rollout.record_routes is None:  # R3 replays the engines' routes: they must record them
         cfg.rollout.record_routes = cfg.actor.moe.routing_replay == "R3"
     elif not cfg.rollout.record_routes and cfg.actor.moe.routing_replay == "R3":
@@ -411,6 +413,10 @@ def _check_ranges(cfg) -> None:
                           f"{cfg.trainer.val_every} steps; give trainer.val_prompts >= 1 or set trainer.val_every=0")
     if not 0 < cfg.rollout.gpu_memory_utilization <= 1:
         raise ConfigError(f"rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization} must be in (0, 1]")
+    judge_share = cfg.reward.model.gpu_memory_utilization
+    if judge_share is not None and not 0 < judge_share <= 1:
+        raise ConfigError(f"reward.model.gpu_memory_utilization={judge_share} must be in (0, 1] (or null: "
+                          "rollout.gpu_memory_utilization)")
 
 
 def _check_rewards_and_tools(cfg) -> None:

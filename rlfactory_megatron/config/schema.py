@@ -209,6 +209,9 @@ class ModelRewardConfig:
     # devices, asleep while the policy generates, woken to judge the trajectories at the end
     placement: str = "own"
     max_prompt_tokens: int = 4096  # our judge: a longer prompt (task, tool calls, response) gets on_error
+    # Our judge's share of each of its devices (vLLM's gpu_memory_utilization: weights + KV cache);
+    # null: rollout.gpu_memory_utilization. Colocated, it is awake only while the policy engine sleeps.
+    gpu_memory_utilization: Optional[float] = None
     # The judge's prompt (chat): a file or a string with {response}, and any of {prompt},
     # {ground_truth}, {tool_calls}; null: the built-in one (rewards/judge.py)
     template: Optional[str] = None

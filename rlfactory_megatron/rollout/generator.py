@@ -20,6 +20,7 @@ import torch
 from rlfactory_megatron.actor.batch import RolloutBatch, dp_row_owners, pad_rows
 from rlfactory_megatron.rollout.engines import SamplingConfig
 from rlfactory_megatron.rollout.fleet import EngineFleet
+from rlfactory_megatron.rollout.judge_turns import JudgeTurns
 from rlfactory_megatron.rollout.prompts import PromptRecord, fit_prompt
 from rlfactory_megatron.rollout.rows import (PendingRollout, Rollouts, RowData, RowSummary, TrainRows, tool_errors,
                                              with_engine_routes)
@@ -61,6 +62,8 @@ class RolloutGenerator:
             self.rollout_store = RolloutStore(self._cache_root() / "rollouts",
                                               topology=self._shard_topology(writers, self.dp_rank, writer_group))
         self.manager = get_tool_manager(cfg.tools.format, tokenizer)
+        judge = cfg.reward.model
+        self.judge_turns = JudgeTurns(fleet, judge.kind is not None and judge.placement == "colocated")
         if fleet.generates:
             self._start_services(tool_specs)
         # Asynchronous RL: batches generated ahead of training (pipeline.py); None: synchronous steps.
@@ -81,7 +84,7 @@ class RolloutGenerator:
         self.combine = CombineSpec.from_config(cfg.reward.combine)
         # A judge on our engines scores on this process's event loop (as each trajectory ends); its
         # replies share the tool-result cache, under the judge's own name.
-        self.judge = start_judge(cfg, self.fleet.layout, self.artifacts)
+        self.judge = self.judge_turns.start(lambda: start_judge(cfg, self.fleet.layout, self.artifacts))
         # Held-out accuracy stays the rule's where the run names one: the judge's score trains,
         # the rule measures (a judge's mistakes would otherwise count as accuracy).
         self.rule_validates = self.judge is not None and bool(cfg.reward.scorer or cfg.reward.custom_function_path)
@@ -219,6 +222,7 @@ class RolloutGenerator:
                    for i in sorted({row // n for row in mine})}
         run_tool = self.tool_pool.call if self.tool_pool is not None else None
 
+        await self.judge_turns.before_generation()
         sessions = {row: router.session() for row in mine}  # each trajectory stays on one engine
         fronts = router.fronts
         busy_before = [front.busy_s for front in fronts]
@@ -280,22 +284,17 @@ class RolloutGenerator:
 
     async def _judge_phase(self, rest: dict, judging: dict[int, asyncio.Future]) -> dict:
         """Every row's model score, once the phase's trajectories have ended: those judged meanwhile
-        (placement own) awaited, the `rest` (row -> sample) judged now (colocated: the judge woken
-        for them, then put back to sleep). Each score's `wait_s`: how long after the last
-        trajectory ended it came."""
+        (placement own) awaited, the `rest` (row -> sample) judged now (colocated: the policy
+        engine put to sleep and the judge woken for them, then put back to sleep). Each score's
+        `wait_s`: how long after the last trajectory ended it came."""
         ended = time.monotonic()
-        colocated = not self.judge.spec.overlaps_generation
-        if colocated:
-            await self.judge.wake_up()
-        try:
+        async with self.judge_turns.judging(self.judge):
             for row, sample in rest.items():
                 judging[row] = asyncio.ensure_future(self._judged(sample))
             outcomes = dict(zip(judging, await asyncio.gather(*judging.values())))
-        finally:
-            if colocated:
-                await self.judge.sleep()
-        if self.judge.router.failed:  # own: its new actors start while the next phase generates
-            await self.judge.replace_failed()
+            # own: its new actors start while the next phase generates; colocated: in its turn, to sleep with it
+            if self.judge.router.failed:
+                await self.judge.replace_failed()
         for score, came in outcomes.values():
             score.wait_s = max(0.0, came - ended)
         return {row: score for row, (score, _) in outcomes.items()}

@@ -3,16 +3,13 @@ shape and the config (docs/memory.md says how), summed per phase of a step, and 
 does not fit refused before anything starts."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 GIB = 1 << 30
 # CUDA context, NCCL and cuBLAS buffers and the caching allocator's slack: an allowance, not a
 # derivation (scripts/gpu_check.py compares the plan with a measured peak).
 RUNTIME_ALLOWANCE = 2 * GIB
 ELEMENT_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
-# A step's phases: the models train with the engines asleep; the engines generate; the engines'
-# weights are awake for the sync while the actor's parameters stream into them.
-PHASES = ("training", "generation", "weight sync")
 
 
 @dataclass(frozen=True)
@@ -22,41 +19,55 @@ class Term:
     lowered_by: tuple[str, ...] = ()  # settings that make it smaller
 
 
+@dataclass(frozen=True)
+class Share:
+    """An engine's share of the training device (vLLM's gpu_memory_utilization), awake in one phase."""
+
+    name: str
+    fraction: float
+    key: str  # the setting that lowers it
+
+    def term(self, device_bytes: float | None) -> Term:
+        """The share in bytes (0 while the device is unknown)."""
+        return Term(f"{self.name} ({self.fraction:g} of the device)", self.fraction * (device_bytes or 0.0),
+                    (f"a smaller {self.key}",))
+
+
 @dataclass
 class MemoryPlan:
     """The terms of each phase on the fullest pipeline stage's devices, and the engines'."""
 
+    # A step's phases: the models train with the engines asleep; the engines generate; the engines'
+    # weights are awake for the sync while the actor's parameters stream into them; a colocated
+    # judge judges, awake while the policy engines sleep (rollout/judge_turns.py).
     phases: dict[str, list[Term]]
     device_bytes: float | None  # one device's memory; None: unknown (no GPU, no parallel.device_memory_gib)
     device_source: str
     layout: str  # model, parameters and layout, in words
     engine: str  # the engines' share, weights and KV cache, in words
-    engine_share: float = 0.0  # colocated: the fraction of the device the engines take while they generate
+    shares: dict[str, Share] = field(default_factory=dict)  # phase -> the colocated engine share awake in it
     engine_refusal: str | None = None  # why an engine could not start, when it could not
 
     def terms(self, phase: str) -> list[Term]:
-        """The phase's terms, the engines' share among them (0 bytes while the device is unknown)."""
-        if phase != "generation" or not self.engine_share:
-            return self.phases[phase]
-        return [*self.phases[phase], Term(f"engine share ({self.engine_share:g} of the device)",
-                                          self.engine_share * (self.device_bytes or 0.0),
-                                          ("a smaller rollout.gpu_memory_utilization",))]
+        """The phase's terms, the engine share awake in it among them."""
+        share = self.shares.get(phase)
+        return self.phases[phase] + ([share.term(self.device_bytes)] if share is not None else [])
 
     def total(self, phase: str) -> float:
         return sum(term.bytes for term in self.terms(phase))
 
     def peak(self) -> tuple[str, float]:
-        return max(((phase, self.total(phase)) for phase in PHASES), key=lambda item: item[1])
+        return max(((phase, self.total(phase)) for phase in self.phases), key=lambda item: item[1])
 
     def _unknown_share(self, phase: str) -> bool:
-        return phase == "generation" and bool(self.engine_share) and self.device_bytes is None
+        return phase in self.shares and self.device_bytes is None
 
     def _total_text(self, phase: str) -> str:
         return _gib(self.total(phase)) + (" + share" if self._unknown_share(phase) else "")
 
     def summary(self) -> str:
         """One start-up line."""
-        totals = ", ".join(f"{phase} {self._total_text(phase)}" for phase in PHASES)
+        totals = ", ".join(f"{phase} {self._total_text(phase)}" for phase in self.phases)
         if self.device_bytes is None:
             return f"rlf-train: memory per device (GiB): {totals}; not checked: {self.device_source}"
         return (f"rlf-train: memory per device (GiB): {totals}, of {_gib(self.device_bytes)} ({self.device_source}; "
@@ -64,20 +75,20 @@ class MemoryPlan:
 
     def render(self) -> str:
         """The breakdown `rlf-train --plan` prints: one row per term, one column per phase."""
-        names = list(dict.fromkeys(term.name for phase in PHASES for term in self.terms(phase)))
+        names = list(dict.fromkeys(term.name for phase in self.phases for term in self.terms(phase)))
         width = max(len(name) for name in names) + 2
         device = f"{_gib(self.device_bytes)} GiB" if self.device_bytes is not None else "unknown"
         lines = [f"memory plan per device: {self.layout}", f"device: {device} ({self.device_source})",
-                 "GiB".ljust(width) + "".join(phase.rjust(13) for phase in PHASES)]
+                 "GiB".ljust(width) + "".join(phase.rjust(13) for phase in self.phases)]
         for name in names:
             cells = []
-            for phase in PHASES:
+            for phase in self.phases:
                 found = [term.bytes for term in self.terms(phase) if term.name == name]
-                shown = "?" if found and self._unknown_share(phase) and name.startswith("engine share") else (
+                shown = "?" if found and self._unknown_share(phase) and name == self.terms(phase)[-1].name else (
                     _gib(found[0]) if found else "-")
                 cells.append(shown.rjust(13))
             lines.append(name.ljust(width) + "".join(cells))
-        lines.append("total".ljust(width) + "".join(self._total_text(phase).rjust(13) for phase in PHASES))
+        lines.append("total".ljust(width) + "".join(self._total_text(phase).rjust(13) for phase in self.phases))
         lines.append(f"engines: {self.engine}")
         if self.device_bytes is not None:
             phase, peak = self.peak()
@@ -106,13 +117,43 @@ class MemoryPlan:
                           f"rlf-train --plan lists every term")
 
 
-def memory_plan(cfg, arch, world: int, detected_bytes: int | None = None) -> MemoryPlan:
-    """The plan of `cfg` for `arch` on `world` ranks; `detected_bytes`: this machine's GPU memory.
+def memory_plan(cfg, arch, world: int, detected_bytes: int | None = None, judge_arch=None) -> MemoryPlan:
+    """The plan of `cfg` for `arch` on `world` ranks; `detected_bytes`: this machine's GPU memory;
+    `judge_arch`: a colocated judge's model (its weights in words, and whether it can start).
     Of the first and the last pipeline stage (the embedding and the most micro-batches in flight
     on one, the LM head on the other), the fuller one is planned."""
     device_bytes, source = _device(cfg, detected_bytes)
     plans = [_stage_plan(cfg, arch, world, stage, device_bytes, source) for stage in sorted({0, cfg.parallel.pp - 1})]
-    return max(plans, key=lambda plan: plan.peak()[1])
+    plan = max(plans, key=lambda plan: plan.peak()[1])
+    judge = cfg.reward.model
+    if judge.kind is not None and judge.placement == "colocated":
+        _add_judge(plan, cfg, judge_arch)
+    return plan
+
+
+def _add_judge(plan: MemoryPlan, cfg, arch) -> None:
+    """A colocated judge's phase: its share awake on the training devices beside what stays there
+    while the policy engines sleep (what stays while they generate). Asleep (level 1: no sync
+    brings a frozen judge's weights back) it keeps its weights in host memory, not on the device."""
+    judge = cfg.reward.model
+    share = Share("judge share", judge.gpu_memory_utilization, "reward.model.gpu_memory_utilization")
+    plan.phases["judging"] = list(plan.phases["generation"])
+    plan.shares["judging"] = share
+    text = f"judge: colocated, reward.model.gpu_memory_utilization={share.fraction:g} of each device while it judges"
+    if arch is not None:
+        element = ELEMENT_SIZE[cfg.model.params_dtype]
+        weights = arch.parameter_count() * element / judge.tp
+        length = judge.max_prompt_tokens + judge.max_tokens
+        one_sequence = arch.kv_cache_bytes_per_token(element, judge.tp) * length
+        text += (f"; weights {_gib(weights)} GiB, in host memory while it sleeps (level 1)")
+        if plan.device_bytes is not None and share.fraction * plan.device_bytes < weights + one_sequence:
+            plan.engine_refusal = plan.engine_refusal or (
+                f"reward.model.gpu_memory_utilization={share.fraction:g} gives the judge "
+                f"{_gib(share.fraction * plan.device_bytes)} GiB per device, less than its weights ({_gib(weights)} "
+                f"GiB) and the KV cache of one {length}-token sequence (reward.model.max_prompt_tokens + "
+                f"max_tokens: {_gib(one_sequence)} GiB), without which vLLM does not start; raise "
+                "reward.model.gpu_memory_utilization or reward.model.tp")
+    plan.engine += "; " + text
 
 
 def device_memory() -> int | None:
@@ -176,8 +217,10 @@ def _stage_plan(cfg, arch, world: int, stage: int, device_bytes: float | None, s
     layout = (f"{arch.model_type} ({arch.num_layers} layers, {engine_params / 1e9:.2f}B parameters); tp={tp} pp={pp} "
               f"{f'cp={cp} ' if cp > 1 else ''}{f'ep={ep} ' if ep > 1 else ''}dp={dp} ({world} ranks); {holds} "
               f"{params / 1e9:.2f}B")
+    shares = ({"generation": Share("engine share", cfg.rollout.gpu_memory_utilization, "rollout.gpu_memory_utilization")}
+              if colocated else {})
     return MemoryPlan({"training": training, "generation": [*resident, runtime], "weight sync": sync}, device_bytes,
-                      source, layout, engine, cfg.rollout.gpu_memory_utilization if colocated else 0.0, refusal)
+                      source, layout, engine, shares, refusal)
 
 
 LAYOUT_KEYS = "a larger parallel.tp or parallel.pp"

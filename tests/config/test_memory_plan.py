@@ -175,3 +175,31 @@ def test_a_layout_over_its_gpu_is_refused_at_load_naming_its_biggest_terms_and_t
                            "(0.5 of the device) 39.50 GiB (lower it: a smaller rollout.gpu_memory_utilization)"), last
     assert "(lower it: actor.offload=true," in last and "(lower it: critic.offload=true," in last
     assert "does not fit, 5.06 GiB over" in out.stdout
+
+
+def test_colocated_judge_memory_plan():
+    # The 7B example with an 8B judge beside its engines: the judge's share is awake in a phase of
+    # its own, beside what stays on the device while the policy engines sleep; its weights are in
+    # words (host memory while it sleeps at level 1). A share too small for its weights is refused.
+    judge = ["reward.model.kind=generative", "reward.model.path=/judge", "reward.model.placement=colocated"]
+    cfg = OmegaConf.merge(_example("qwen2_5_7b_grpo_8gpu.yaml"), OmegaConf.from_dotlist(judge))
+    judge_arch = arch_from_hf_config(REAL_SHAPES["qwen3_8b"])
+    plan = memory_plan(cfg, arch_from_hf_config(REAL_SHAPES["qwen2_7b"]), 8, judge_arch=judge_arch)
+    assert list(plan.phases) == ["training", "generation", "weight sync", "judging"]
+    assert _term(plan, "judging", "judge share") == 0.5 * 79 * GIB  # reward.model.gpu_memory_utilization: rollout's
+    assert _term(plan, "generation", "judge share") == _term(plan, "judging", "engine share") == 0
+    resident = [t for t in plan.terms("generation") if not t.name.startswith("engine share")]
+    assert plan.terms("judging")[:-1] == resident
+    rendered = plan.render()
+    assert "judge share (0.5 of the device)" in rendered and "judging" in rendered
+    assert f"weights {judge_arch.parameter_count() * 2 / GIB:.2f} GiB, in host memory while it sleeps" in rendered
+    assert "fits" in rendered
+    plan.check()
+    # The judge's share over what the device has left beside the resident state: does not fit in judging.
+    crowded = memory_plan(OmegaConf.merge(cfg, OmegaConf.from_dotlist(["reward.model.gpu_memory_utilization=0.95"])),
+                          arch_from_hf_config(REAL_SHAPES["qwen2_7b"]), 8, judge_arch=judge_arch)
+    assert crowded.peak()[0] == "judging" and "does not fit" in crowded.render()
+    starved = memory_plan(OmegaConf.merge(cfg, OmegaConf.from_dotlist(["reward.model.gpu_memory_utilization=0.1"])),
+                          arch_from_hf_config(REAL_SHAPES["qwen2_7b"]), 8, judge_arch=judge_arch)
+    with pytest.raises(ConfigError, match=r"reward.model.gpu_memory_utilization=0.1 gives the judge 7.90 GiB"):
+        starved.check()

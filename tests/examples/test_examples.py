@@ -1,7 +1,7 @@
 """examples/: the data preprocessing scripts turn a local copy of GSM8K and MATH into rows the
 trainer and the scorers read right, every example script and config is sound, and every example
-script runs one RL step as written, the 2-node one through scripts/launch_multinode.sh with two
-"nodes" on this host. Only three things change: the model (a tiny one of the same family), the
+script runs one RL step as written, the 2-node one through scripts/launch_multinode.sh on two
+hosts (network namespaces, each with its own Ray). Only three things change: the model (a tiny one of the same family), the
 data (local copies in the public datasets' own layout, which the example's own script
 preprocesses; no demonstrations) and the keys of SCALE_TO_CPU."""
 import json
@@ -198,19 +198,61 @@ def test_single_node_example_runs_one_rl_step_as_written(tmp_path, script):
         assert "rollout/tool_calls_per_sample" in step and (tmp_path / "data" / "train.parquet").is_file()
 
 
-def test_two_node_example_runs_one_rl_step_through_launch_multinode(tmp_path):
-    # Node 1 in the background, node 0 in the foreground, as the script's header says; one rank
-    # each (GPUS=1), so data parallelism goes across the two "nodes".
+@pytest.fixture
+def two_hosts():
+    """Two network namespaces joined by a veth pair, 10.200.0.1 and 10.200.0.2 (addresses that
+    live only inside them): two hosts, each needing its own Ray. Yields the `ip netns exec`
+    prefix of each; removed with every process left in them, however the test ends."""
+    tag = f"rlf{os.getpid()}"
+    names = [f"{tag}n0", f"{tag}n1"]
+    added = []
+
+    def ip(*args):
+        subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+    try:
+        for name in names:
+            ip("netns", "add", name)
+            added.append(name)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        for name in added:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        pytest.skip(f"two hosts need `ip netns` (root, CAP_SYS_ADMIN): {getattr(exc, 'stderr', exc)}")
+    try:
+        ip("link", "add", f"{tag}a", "type", "veth", "peer", "name", f"{tag}b")
+        for i, (name, dev) in enumerate(zip(names, (f"{tag}a", f"{tag}b"))):
+            ip("link", "set", dev, "netns", name)
+            for args in (("addr", "add", f"10.200.0.{i + 1}/24", "dev", dev), ("link", "set", dev, "up"),
+                         ("link", "set", "lo", "up"), ("route", "add", "default", "dev", dev)):
+                ip("-n", name, *args)  # the default route: Ray finds its node's address by it
+        yield [["ip", "netns", "exec", name] for name in names]
+    finally:
+        for name in names:
+            pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), 9)
+                except ProcessLookupError:
+                    pass
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def test_two_node_example_runs_one_rl_step_through_launch_multinode(tmp_path, two_hosts):
+    # Two hosts (network namespaces), each running the script for its node rank; one rank each
+    # (GPUS=1), so data parallelism goes across them, and each host's engine process joins its
+    # own host's Ray (the launcher starts one per node), with a Ray folder of its own.
     script = "grpo_qwen3_8b_2node.sh"
     out = tmp_path / "run"
     env = {**_example_env(tmp_path, script), "MASTER_PORT": "29437"}
     args = [*(f"{k}={v}" for k, v in SCALE_TO_CPU.items()), f"trainer.output_dir={out}"]
+    host0, host1 = two_hosts
+    node_env = [{**env, "RAY_TMPDIR": f"/tmp/rlfray{os.getpid()}n{i}"} for i in range(2)]
     with open(tmp_path / "node1.log", "w") as log:
-        node1 = subprocess.Popen([str(EXAMPLES / script), "1", "2", "127.0.0.1", *args], env=env, cwd=tmp_path,
-                                 stdout=log, stderr=subprocess.STDOUT)
+        node1 = subprocess.Popen([*host1, str(EXAMPLES / script), "1", "2", "10.200.0.1", *args], env=node_env[1],
+                                 cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
     try:
-        node0 = subprocess.run([str(EXAMPLES / script), "0", "2", "127.0.0.1", *args], env=env, cwd=tmp_path,
-                               capture_output=True, text=True, timeout=900)
+        node0 = subprocess.run([*host0, str(EXAMPLES / script), "0", "2", "10.200.0.1", *args], env=node_env[0],
+                               cwd=tmp_path, capture_output=True, text=True, timeout=900)
         node1.wait(timeout=300)
     finally:
         node1.kill()
