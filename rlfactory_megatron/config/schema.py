@@ -294,7 +294,9 @@ class TrainerConfig:
     # beside the checkpoint's ~14 of weights, fp32 master copy and Adam moments) and an export
     # as long as a weight sync. false: `rlf-convert mcore-to-hf --mcore-dir <checkpoint>` later.
     save_hf: bool = True
-    resume: str = "auto"  # auto | never | <checkpoint dir>
+    # auto (the output folder's latest checkpoint) | never | <checkpoint dir>; a resume whose settings
+    # differ from the checkpoint's in a key that changes the model or its trajectories is refused
+    resume: str = "auto"
     val_every: int = 10  # greedy validation every N steps and before RL (0: never)
     # held-out prompts per validation (a 0/1 score's mean over 256 has a standard error of <= 3 points)
     val_prompts: int = 256
