@@ -534,7 +534,9 @@ def te_context_parallel_attention_equals_cp1(ctx):
 # ---- MoE engines (issue 53): R3's route hook on Model Runner V2 (item 2), and the MoE weight
 # update into an engine whose CUDA graphs are captured (item 4).
 def _tiny_moe(ctx):
-    """A tiny Qwen3-MoE (8 experts, top 2), its arch, and the fp32 build of it (megatron's local spec)."""
+    """A tiny Qwen3-MoE (8 experts, top 2), its arch, and the fp32 build of it (megatron's local spec).
+    Its engines run in processes of their own: an in-process one takes this process's group as
+    its world, and closing it ends the group."""
     from rlfactory_megatron.config import load_config
     from rlfactory_megatron.models.builder import BuildOptions, MoEOptions
     from rlfactory_megatron.models.hf_arch import load_arch
@@ -556,7 +558,7 @@ def moe_engine_records_routes_on_model_runner_v2(ctx):
 
     hf_dir, arch, build = _tiny_moe(ctx)
     engine = VLLMEngine(hf_dir, dtype="float32", max_model_len=256, max_num_seqs=8, memory_utilization=0.15,
-                        record_routes=True)
+                        record_routes=True, in_process=False)
     try:
         runner = engine.llm.collective_rpc(lambda worker: type(worker.model_runner).__module__)[0]
         prompts, generations = _prompts_and_samples(engine, seed=4)
@@ -586,14 +588,17 @@ def moe_engine_synced_twice_after_cuda_graph_capture_equals_a_fresh_one(ctx):
     from rlfactory_megatron.actor.actor import Actor
     from rlfactory_megatron.config import load_config
     from rlfactory_megatron.models.hf_checkpoint import write_hf_folder
-    from rlfactory_megatron.rollout.engines import VLLMEngine
+    from rlfactory_megatron.rollout.engines import SamplingConfig, VLLMEngine
     from rlfactory_megatron.rollout.weight_sync import InProcessTransport, sync_weights
 
     hf_dir, arch, build = _tiny_moe(ctx)
+    # A seed per request: a seed for the call would be drawn per request from what the engine served before.
+    prompts, sampling, seeds = [[5, 17, 42, 7], [100, 3, 9, 250]], SamplingConfig(n=2, max_tokens=12), [91, 92]
     cfg = load_config(overrides=["actor.optim.lr=1e-3", "actor.optim.adam_eps=1e-4",
                                  "actor.max_tokens_per_microbatch=256", "actor.mini_batch_size=16"])
     actor = Actor(cfg.actor, arch, hf_dir, build, total_steps=4)
-    engine = VLLMEngine(hf_dir, dtype="float32", max_model_len=256, max_num_seqs=8, memory_utilization=0.15)
+    engine = VLLMEngine(hf_dir, dtype="float32", max_model_len=256, max_num_seqs=8, memory_utilization=0.15,
+                        in_process=False)
     fresh_dir = os.path.join(ctx.root, "qwen3_moe_synced")
     try:
         eager = engine.llm.collective_rpc(lambda worker: worker.vllm_config.model_config.enforce_eager)[0]
@@ -602,13 +607,14 @@ def moe_engine_synced_twice_after_cuda_graph_capture_equals_a_fresh_one(ctx):
             batch, engine_lp = _batch(*_prompts_and_samples(engine, seed=version))
             actor.update(batch.with_fields(old_log_probs=engine_lp, advantages=torch.randn(engine_lp.shape)))
             sync_weights(actor.megatron, InProcessTransport(engine), 0.1, version=version)
-        synced = _prompts_and_samples(engine, seed=9)[1]
+        synced = engine.generate(prompts, sampling, seeds=seeds)
     finally:
         engine.close()
     write_hf_folder(actor.megatron.iter_hf_weights(), fresh_dir, hf_dir, arch.hf_config, writer=True)
-    fresh = VLLMEngine(fresh_dir, dtype="float32", max_model_len=256, max_num_seqs=8, memory_utilization=0.15)
+    fresh = VLLMEngine(fresh_dir, dtype="float32", max_model_len=256, max_num_seqs=8, memory_utilization=0.15,
+                       in_process=False)
     try:
-        reference = _prompts_and_samples(fresh, seed=9)[1]
+        reference = fresh.generate(prompts, sampling, seeds=seeds)
     finally:
         fresh.close()
     tokens = [[g.token_ids for g in gens] for gens in synced]
