@@ -531,6 +531,100 @@ def te_context_parallel_attention_equals_cp1(ctx):
     return f"CP 2 vs CP 1 (bf16, TE): max |log-prob/entropy diff| {worst:.1e}, grad norm {norm:.1e} relative"
 
 
+# ---- MoE engines (issue 53): R3's route hook on Model Runner V2 (item 2), and the MoE weight
+# update into an engine whose CUDA graphs are captured (item 4).
+def _tiny_moe(ctx):
+    """A tiny Qwen3-MoE (8 experts, top 2), its arch, and the fp32 build of it (megatron's local spec).
+    Its engines run in processes of their own: an in-process one takes this process's group as
+    its world, and closing it ends the group."""
+    from rlfactory_megatron.config import load_config
+    from rlfactory_megatron.models.builder import BuildOptions, MoEOptions
+    from rlfactory_megatron.models.hf_arch import load_arch
+    from rlfactory_megatron.models.tiny import make_tiny_hf_model
+
+    hf_dir = str(make_tiny_hf_model("qwen3_moe", os.path.join(ctx.root, "qwen3_moe")))
+    build = BuildOptions(params_dtype="float32", layer_spec="local_sdpa", moe=MoEOptions(**load_config().model.moe))
+    return hf_dir, load_arch(hf_dir), build
+
+
+@check
+def moe_engine_records_routes_on_model_runner_v2(ctx):
+    """rollout.record_routes (R3) on the runner vLLM picks on a GPU (V2, where Triton is): every
+    position of every sample has its experts, and the trainer's router, shown them, agrees."""
+    import torch
+
+    from rlfactory_megatron.actor.actor import PolicyModel
+    from rlfactory_megatron.rollout.engines import VLLMEngine
+
+    hf_dir, arch, build = _tiny_moe(ctx)
+    engine = VLLMEngine(hf_dir, dtype="float32", max_model_len=256, max_num_seqs=8, memory_utilization=0.15,
+                        record_routes=True, in_process=False)
+    try:
+        runner = engine.llm.collective_rpc(lambda worker: type(worker.model_runner).__module__)[0]
+        prompts, generations = _prompts_and_samples(engine, seed=4)
+    finally:
+        engine.close()
+    assert runner == "vllm.v1.worker.gpu.model_runner", f"the engine ran {runner}, not Model Runner V2"
+    batch, _ = _batch(prompts, generations)
+    samples = [g for gens in generations for g in gens]
+    routes = torch.full((*batch.input_ids.shape, arch.num_layers, arch.moe.top_k), -1, dtype=torch.int16)
+    for row, (prompt, sample) in enumerate(zip([p for p in prompts for _ in range(2)], samples)):
+        assert sample.routes.shape == (len(prompt) + len(sample.token_ids) - 1, arch.num_layers, arch.moe.top_k)
+        assert ((sample.routes >= 0) & (sample.routes < arch.moe.num_experts)).all(), "a position without routes"
+        routes[row, 1:1 + len(sample.routes)] = torch.from_numpy(sample.routes)
+    model = PolicyModel(arch, hf_dir, build, 256, compare_routes=True)
+    agreement = model.compute_log_probs(batch.with_fields(routes=routes))["routing_agreement"]
+    assert agreement >= 0.99, f"the trainer's router agrees with the engine's routes on {agreement:.1%}"
+    return f"{runner}: routes on every position of {len(samples)} samples, router agreement {agreement:.1%}"
+
+
+@check
+def moe_engine_synced_twice_after_cuda_graph_capture_equals_a_fresh_one(ctx):
+    """An engine with CUDA graphs captured, synced twice (vLLM's weight update copies into the
+    tensors the graphs read; nothing rebuilds the expert kernels), samples what a fresh engine
+    started from the same weights does, token for token."""
+    import torch
+
+    from rlfactory_megatron.actor.actor import Actor
+    from rlfactory_megatron.config import load_config
+    from rlfactory_megatron.models.hf_checkpoint import write_hf_folder
+    from rlfactory_megatron.rollout.engines import SamplingConfig, VLLMEngine
+    from rlfactory_megatron.rollout.weight_sync import InProcessTransport, sync_weights
+
+    hf_dir, arch, build = _tiny_moe(ctx)
+    # A seed per request: a seed for the call would be drawn per request from what the engine served before.
+    prompts, sampling, seeds = [[5, 17, 42, 7], [100, 3, 9, 250]], SamplingConfig(n=2, max_tokens=12), [91, 92]
+    cfg = load_config(overrides=["actor.optim.lr=1e-3", "actor.optim.adam_eps=1e-4",
+                                 "actor.max_tokens_per_microbatch=256", "actor.mini_batch_size=16"])
+    actor = Actor(cfg.actor, arch, hf_dir, build, total_steps=4)
+    engine = VLLMEngine(hf_dir, dtype="float32", max_model_len=256, max_num_seqs=8, memory_utilization=0.15,
+                        in_process=False)
+    fresh_dir = os.path.join(ctx.root, "qwen3_moe_synced")
+    try:
+        eager = engine.llm.collective_rpc(lambda worker: worker.vllm_config.model_config.enforce_eager)[0]
+        assert not eager, "the engine runs eagerly: no CUDA graphs to keep"
+        for version in (1, 2):
+            batch, engine_lp = _batch(*_prompts_and_samples(engine, seed=version))
+            actor.update(batch.with_fields(old_log_probs=engine_lp, advantages=torch.randn(engine_lp.shape)))
+            sync_weights(actor.megatron, InProcessTransport(engine), 0.1, version=version)
+        synced = engine.generate(prompts, sampling, seeds=seeds)
+    finally:
+        engine.close()
+    write_hf_folder(actor.megatron.iter_hf_weights(), fresh_dir, hf_dir, arch.hf_config, writer=True)
+    fresh = VLLMEngine(fresh_dir, dtype="float32", max_model_len=256, max_num_seqs=8, memory_utilization=0.15,
+                       in_process=False)
+    try:
+        reference = fresh.generate(prompts, sampling, seeds=seeds)
+    finally:
+        fresh.close()
+    tokens = [[g.token_ids for g in gens] for gens in synced]
+    assert tokens == [[g.token_ids for g in gens] for gens in reference], "the synced engine samples otherwise"
+    gap = max(abs(a - b) for s, r in zip(synced, reference) for gs, gr in zip(s, r)
+              for a, b in zip(gs.log_probs, gr.log_probs))
+    assert gap <= 1e-4, f"synced vs fresh engine log-probs differ by {gap:.1e}"
+    return f"two syncs after graph capture: the same {sum(map(len, sum(tokens, [])))} tokens, log-probs within {gap:.1e}"
+
+
 class Context:
     def __init__(self, root: str, gpu: bool) -> None:
         import torch

@@ -430,15 +430,23 @@ def _reload_bucket(worker, bucket, first: bool) -> None:
 
 
 def _rebuild_expert_kernels_on_reload(model: torch.nn.Module) -> None:
-    """vLLM's unquantized MoE method lays a layer's experts out for its kernel (on CPU: packed for
-    its grouped GEMM) only when it builds the kernel, on the first load; a reload finding a kernel
-    keeps the checkpoint layout, and the CPU kernel then computes from unpacked experts (the synced
-    engine's log-probs left a fresh engine's by ~1e-2). Without a kernel, the reload's processing
-    builds it again from the new weights and lays them out as a first load does; the layerwise
-    reload copies the result into the layer's own tensors, on GPU too (CUDA graphs keep them)."""
+    """Drops the kernel of every MoE layer whose experts vLLM-CPU packed, so the reload packs again.
+
+    A reload finding a layer's kernel is a weight update to vLLM: it copies the new experts into the
+    tensors the kernel (and any CUDA graph) already reads, in the layout the kernel computes from
+    (`UnquantizedFusedMoEMethod._setup_kernel`, fused_moe/unquantized_fused_moe_method.py:
+    `is_weight_update`, `replace_parameter(..., prefer_copy=True)`): right on a GPU, where a rebuild
+    after graph capture would leave the graphs reading freed tensors. Only the CPU kernel
+    (`CPUUnquantizedExperts`, fused_moe/experts/cpu_moe.py) packs the experts for its grouped GEMM,
+    in its own `process_weights_after_loading`, which vLLM runs when it builds the kernel: kept, it
+    computes from unpacked experts (a synced engine's log-probs ~1e-2 off a fresh one's). Dropped,
+    the reload builds it again and packs; vLLM-CPU captures no graphs."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
     for module in model.modules():
         method = getattr(module, "quant_method", None)
-        if getattr(method, "moe_kernel", None) is not None:
+        kernel = getattr(method, "moe_kernel", None)
+        if isinstance(getattr(kernel, "fused_experts", None), CPUUnquantizedExperts):
             method.moe_kernel = None
 
 

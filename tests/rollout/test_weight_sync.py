@@ -4,6 +4,7 @@ import re
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -275,6 +276,82 @@ def test_a_moe_engine_synced_from_experts_over_ep_ranks_equals_a_fresh_one(tiny_
     assert [[g.log_probs for g in gens] for gens in synced] == [[g.log_probs for g in gens] for gens in fresh]
     assert report["buckets"] > 3  # the experts arrived over several buckets
     assert report["actor_gap"] <= 1e-3, report  # and the engine serves the actor's policy
+
+
+def test_item2_the_route_hook_reads_model_runner_v2_and_copies_to_the_host_once_per_step():
+    # vLLM runs Model Runner V2 wherever Triton is (every GPU; vLLM-CPU runs V1, which the test
+    # below drives): V2 keeps no batch on the runner, so the hook takes the `InputBatch` its
+    # `prepare_inputs` returns before the model's forward. A real V2 runner and InputBatch, no device.
+    import dataclasses
+    import inspect
+
+    from torch.overrides import TorchFunctionMode
+    from vllm.v1.worker.gpu.input_batch import InputBatch
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as ModelRunnerV2
+
+    from rlfactory_megatron.rollout.engine_routes import RouteCapture, V2BatchLayout
+
+    assert inspect.signature(ModelRunnerV2.prepare_inputs).return_annotation in (InputBatch, "InputBatch")
+    execute = inspect.getsource(ModelRunnerV2.execute_model)
+    assert execute.index("self.prepare_inputs(") < execute.index('"positions": input_batch.positions')
+
+    def batch(req_ids, starts):  # only what a batch of requests sets; the hook must need nothing else
+        unset = dict.fromkeys(f.name for f in dataclasses.fields(InputBatch))
+        return InputBatch(**{**unset, "req_ids": req_ids, "num_reqs": len(req_ids),
+                             "query_start_loc_np": np.array(starts, dtype=np.int32)})
+
+    runner = object.__new__(ModelRunnerV2)
+    # A prefill of request "a" (3 tokens) and sample 1 of "b" (2), then a decode step of each.
+    prepared = iter([batch(["a-0123abcd", "1_b-0123abcd"], [0, 3, 5]), batch(["a-0123abcd", "1_b-0123abcd"], [0, 1, 2])])
+    runner.prepare_inputs = lambda *args, **kwargs: next(prepared)
+    layers, top_k = 4, 2
+    capture = RouteCapture(V2BatchLayout(runner), layers, top_k)
+
+    class HostCopies(TorchFunctionMode):  # the hook's way to the host: .cpu()
+        count = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            HostCopies.count += func is torch.Tensor.cpu
+            return func(*args, **(kwargs or {}))
+
+    capture.begin_step(None, (), {"positions": torch.arange(4)})  # a dummy run: prepares no batch
+    capture.capture(0, torch.zeros(4, top_k, dtype=torch.int32))
+    routed = {}
+    with HostCopies():
+        for positions in ([0, 1, 2, 0, 1], [3, 2]):
+            runner.prepare_inputs()
+            capture.begin_step(None, (), {"positions": torch.tensor(positions)})
+            for layer in range(layers):
+                topk = torch.randint(0, 8, (len(positions), top_k), dtype=torch.int32)
+                capture.capture(layer, topk)
+                routed[len(positions), layer] = topk
+        taken = capture.take(["a", "b"])
+    assert HostCopies.count == 2  # one per step, not one per layer
+    a, b = taken["a", 0], taken["b", 1]  # kept in buffers grown by doubling: positions 0-3 and 0-2 set
+    for layer in range(layers):
+        assert (a[:3, layer] == routed[5, layer][:3].numpy()).all() and (a[3, layer] == routed[2, layer][0].numpy()).all()
+        assert (b[:2, layer] == routed[5, layer][3:].numpy()).all() and (b[2, layer] == routed[2, layer][1].numpy()).all()
+
+
+def test_item4_a_moe_reload_rebuilds_only_the_cpu_kernel_that_packs_its_experts():
+    # vLLM-CPU's kernel packs its experts only when built: the reload drops it to pack again (the
+    # MoE sync tests above measure that). Any other kernel, a GPU one, is left to vLLM's weight
+    # update, which copies into the tensors CUDA graphs captured: a rebuild there would free them.
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import X86CPUUnquantizedExperts
+    from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
+
+    from rlfactory_megatron.rollout.engines import _rebuild_expert_kernels_on_reload
+
+    def layer(experts_kind):
+        module = torch.nn.Module()
+        module.quant_method = SimpleNamespace(moe_kernel=SimpleNamespace(fused_experts=object.__new__(experts_kind)))
+        return module
+
+    model = torch.nn.ModuleDict({"on_cpu": layer(X86CPUUnquantizedExperts), "on_gpu": layer(TritonExperts)})
+    gpu_kernel = model["on_gpu"].quant_method.moe_kernel
+    _rebuild_expert_kernels_on_reload(model)
+    assert model["on_cpu"].quant_method.moe_kernel is None
+    assert model["on_gpu"].quant_method.moe_kernel is gpu_kernel
 
 
 def test_a_moe_engine_returns_its_routes_and_the_actor_replaying_them_computes_its_log_probs(tiny_hf_dirs):

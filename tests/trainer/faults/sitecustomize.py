@@ -12,6 +12,12 @@ sleep (its level) and wake-up (its tags), the first and the last bucket of each 
 every megatron pass (training or forward only), every offload (its kinds) and every
 torch.cuda.empty_cache(). vLLM's sleep mode itself runs on GPU only; the calls are what a CPU
 run can show.
+
+RLF_TEST_PERTURB_ENGINE_ROUTES=<layer>: a test seam, not a behaviour: in engines that record their
+routes (R3), that MoE layer's router sends each token to the next experts (expert e -> e + 1), so
+the engine's routes differ from the trainer's own router's there, and weights them as the router
+weights the experts it picks (Qwen3-MoE: softmax over their logits), so a trainer replaying them
+computes what the engine did.
 """
 import json
 import os
@@ -19,6 +25,7 @@ import sys
 
 _KILL_SPEC = os.environ.get("RLF_TEST_KILL_ENGINE_MID_SYNC")
 _RECORD = os.environ.get("RLF_TEST_RECORD_DEVICE_PHASES")
+_PERTURB_LAYER = os.environ.get("RLF_TEST_PERTURB_ENGINE_ROUTES")
 
 
 def _kill_mid_sync(module) -> None:
@@ -98,9 +105,33 @@ def _record_offload(module) -> None:
     _wrap(module.HostOffload, "offload", lambda self, a, k: _record("offload", kinds=sorted(a[0] if a else k["kinds"])))
 
 
+def _perturb_engine_routes(module) -> None:
+    hook = module.hook_routers
+
+    def hook_and_perturb(model, capture):
+        from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+        hook(model, capture)
+        for runner in model.modules():
+            if isinstance(runner, MoERunner) and runner.layer_id == int(_PERTURB_LAYER):
+                router, compute = runner.router, runner.router._compute_routing
+
+                def next_experts(hidden_states, router_logits, indices_type, *, input_ids=None,
+                                 router=router, compute=compute):
+                    weights, ids = compute(hidden_states, router_logits, indices_type, input_ids=input_ids)
+                    ids = (ids + 1) % router.global_num_experts
+                    return router_logits.float().gather(1, ids.long()).softmax(-1).to(weights.dtype), ids
+
+                router._compute_routing = next_experts
+
+    module.hook_routers = hook_and_perturb
+
+
 _PATCHES = {}
 if _KILL_SPEC:
     _PATCHES["rlfactory_megatron.rollout.ray_engine"] = [_kill_mid_sync]
+if _PERTURB_LAYER:
+    _PATCHES["rlfactory_megatron.rollout.engine_routes"] = [_perturb_engine_routes]
 if _RECORD:
     _PATCHES.setdefault("rlfactory_megatron.rollout.engines", []).append(_record_engine)
     _PATCHES.setdefault("rlfactory_megatron.actor.model", []).append(_record_training)
