@@ -45,9 +45,13 @@ class ParallelConfig:
     # For long trajectories: each rank keeps 1/cp of a micro-batch's activations.
     cp: int = 1
     # Expert-parallel ranks of a mixture-of-experts model: each holds experts / ep of every MoE
-    # layer (tokens travel to their experts and back); divides the experts, tp * ep * pp divides
-    # the world; expert tensor parallelism is tp.
+    # layer (tokens travel to their experts and back); divides the experts, etp * ep * pp divides
+    # the world.
     ep: int = 1
+    # Expert tensor-parallel ranks: each expert's FFN is split over etp ranks (null: tp, megatron's
+    # default). 1 keeps every expert whole (no 1/tp-wide GEMMs nor their collectives; the expert
+    # data-parallel ranks are then the tp ranks too): the faster layout for many small experts.
+    etp: Optional[int] = None
     # Memory of one training GPU in GiB, which the memory plan (rlf-train --plan, and every run's
     # start-up) must fit: on a GPU, the device's own or this if smaller; on a machine without one,
     # the GPU to plan for (null there: the plan is shown, not checked).

@@ -142,16 +142,18 @@ def _stage_plan(cfg, arch, world: int, stage: int, device_bytes: float | None, s
     from rlfactory_megatron.trainer.presets import trains_critic
 
     tp, pp, cp, ep = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp, cfg.parallel.ep
-    dp = max(1, ParallelSizes.of(cfg.parallel).dp(world))
+    sizes = ParallelSizes.of(cfg.parallel)
+    etp = sizes.expert_tp
+    dp = max(1, sizes.dp(world))
     element = ELEMENT_SIZE[cfg.model.params_dtype]
     dtype = cfg.model.params_dtype
     colocated = cfg.rollout.mode == "colocated"
-    params = arch.parameter_count(tp, pp, stage, ep=ep)  # a rank holds experts / ep of each MoE layer
+    params = arch.parameter_count(tp, pp, stage, ep=ep, etp=etp)  # experts / ep of each MoE layer, each 1/etp
     # CP ranks hold whole copies of their stage's weights; the distributed optimizer shards over dp x cp,
-    # and an expert's state over the ranks holding that expert (dp x cp / ep).
-    shards = (dp * cp, max(1, dp * cp // ep), arch.expert_parameter_count(tp, pp, ep))
+    # and an expert's state over the ranks holding the same part of that expert (dp x cp x tp / (etp x ep)).
+    shards = (dp * cp, max(1, dp * cp * tp // (etp * ep)), arch.expert_parameter_count(etp, pp, ep))
     actor = _model_state("actor", cfg.actor.optim, params, element, dtype, *shards)
-    critic = (_model_state("critic", cfg.critic.optim, arch.parameter_count(tp, pp, stage, value_head=True, ep=ep),
+    critic = (_model_state("critic", cfg.critic.optim, arch.parameter_count(tp, pp, stage, value_head=True, ep=ep, etp=etp),
                            element, dtype, *shards) if trains_critic(cfg) else [])
     reference = ([Term(f"reference weights ({dtype})", params * element, ("actor.kl_loss_coef=0", LAYOUT_KEYS))]
                  if cfg.actor.kl_loss_coef > 0 else [])
@@ -174,7 +176,8 @@ def _stage_plan(cfg, arch, world: int, stage: int, device_bytes: float | None, s
     engine, refusal = _engine(cfg, arch, engine_weights, element, device_bytes)
     holds = f"pipeline stage {stage + 1} of {pp} holds" if pp > 1 else "each rank holds"
     layout = (f"{arch.model_type} ({arch.num_layers} layers, {engine_params / 1e9:.2f}B parameters); tp={tp} pp={pp} "
-              f"{f'cp={cp} ' if cp > 1 else ''}{f'ep={ep} ' if ep > 1 else ''}dp={dp} ({world} ranks); {holds} "
+              f"{f'cp={cp} ' if cp > 1 else ''}{f'ep={ep} ' if ep > 1 else ''}{f'etp={etp} ' if etp != tp else ''}dp={dp} "
+              f"({world} ranks); {holds} "
               f"{params / 1e9:.2f}B")
     return MemoryPlan({"training": training, "generation": [*resident, runtime], "weight sync": sync}, device_bytes,
                       source, layout, engine, cfg.rollout.gpu_memory_utilization if colocated else 0.0, refusal)

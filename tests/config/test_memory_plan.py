@@ -84,6 +84,13 @@ def test_each_term_follows_the_keys_that_shape_it():
     assert _term(layout, "training", "actor weights") == 2 * on_rank and "ep=2 dp=2" in layout.layout
     assert _term(layout, "training", "actor optimizer") == 12 * (on_rank - experts) / 2 + 12 * experts
     assert _term(split, "training", "actor optimizer") == 12 * params / 2
+    # Expert TP of its own (issue 53 item 9): at etp=1 ep=8 a rank holds 16 whole experts per
+    # layer (as many parameters as 64 experts cut 4 ways), their state over 2 x 4 / (1 x 8) = 1 rank.
+    whole = _plan("qwen3_8b_grpo_2node.yaml", "qwen3_30b_a3b", 16, "parallel.ep=8", "parallel.etp=1",
+                  "parallel.sequence_parallel=true")
+    experts_whole = moe.expert_parameter_count(1, 2, ep=8)
+    assert experts_whole == experts and "ep=8 etp=1 dp=2" in whole.layout
+    assert _term(whole, "training", "actor optimizer") == 12 * (on_rank - experts) / 2 + 12 * experts_whole
     assert _term(_plan("qwen2_5_7b_grpo_8gpu.yaml", "qwen2_7b", 8, "actor.kl_loss_coef=0"), "training", "reference") == 0
     assert _term(base, "generation", "reference") == 2 * params
     offloaded = _plan("qwen2_5_7b_grpo_8gpu.yaml", "qwen2_7b", 8, "actor.offload=true")
@@ -151,7 +158,7 @@ def test_each_example_fits_the_gpu_it_names_by_rlf_train_plan(tmp_path):
     # Qwen3-30B-A3B on 2 nodes: 64 of 128 experts per rank, the actor in host memory while the
     # engines generate (generation holds the runtime allowance and the engine share alone).
     moe = runs[4][0].stdout
-    assert "qwen3_moe (48 layers, 30.53B parameters); tp=4 pp=2 ep=2 dp=2 (16 ranks)" in moe
+    assert "qwen3_moe (48 layers, 30.53B parameters); tp=4 pp=2 ep=8 etp=1 dp=2 (16 ranks)" in moe
     assert "total" in moe and "generation" in moe
     generation = next(line for line in moe.splitlines() if line.startswith("total")).split()[2]
     assert float(generation) == 2.00 + 39.50, moe
