@@ -37,7 +37,7 @@ def closed_sets(cfg) -> dict[str, Collection[str]]:
     from rlfactory_megatron.algorithms.policy_losses import POLICY_LOSSES
     from rlfactory_megatron.envs.agent_loop import TURN_SCHEDULES
     from rlfactory_megatron.envs.tool_manager import TOOL_FORMATS
-    from rlfactory_megatron.models.builder import LAYER_SPECS
+    from rlfactory_megatron.models.builder import LAYER_SPECS, RECOMPUTE
     from rlfactory_megatron.rewards import PROTOCOLS, REWARD_MANAGERS
     from rlfactory_megatron.rollout import ray_engine  # noqa: F401  (registers the broadcast transport)
     from rlfactory_megatron.rollout.engines import ROLLOUT_ENGINES
@@ -50,6 +50,7 @@ def closed_sets(cfg) -> dict[str, Collection[str]]:
     sets = {
         "model.params_dtype": ("auto", "float32", "bfloat16", "float16"),
         "model.layer_spec": LAYER_SPECS,
+        "model.recompute": ("auto", *RECOMPUTE),
         "model.moe.load_balancing": ("none", "aux_loss", "seq_aux_loss"),
         "model.moe.router_dtype": ("fp32", "fp64"),
         "actor.moe.routing_replay": ("none", "R2", "R3"),

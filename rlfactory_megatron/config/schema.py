@@ -30,7 +30,13 @@ class ModelConfig:
     # attention has no float32 kernel for the actor's packed sequences), float32 otherwise
     params_dtype: str = "auto"
     layer_spec: str = "auto"  # auto (TE on GPU, local_sdpa on CPU) | local_sdpa | local | transformer_engine
-    recompute_activations: bool = False  # recompute each layer's activations in the backward pass (memory for time)
+    # Activation recompute in the backward pass (memory for time): none; selective (each layer's
+    # MLP, or a MoE layer's experts, recomputed from its input: the SwiGLU's intermediates, most of
+    # a layer's activations); full (every layer from its input); auto: the least of these whose
+    # memory plan leaves 10% of the device spare, chosen by rlf-train at load from the model's shape
+    # (--plan shows it; the run's config.yaml keeps the choice); none where no device is known
+    # (no GPU and no parallel.device_memory_gib).
+    recompute: str = "auto"
     moe: MoEConfig = field(default_factory=MoEConfig)  # mixture-of-experts models' router (docs/moe.md)
 
 

@@ -115,6 +115,36 @@ def memory_plan(cfg, arch, world: int, detected_bytes: int | None = None) -> Mem
     return max(plans, key=lambda plan: plan.peak()[1])
 
 
+# model.recompute=auto: the least recompute whose plan leaves this much of the device spare (the
+# activation terms are estimates; fragmentation and the allowance's own error need room).
+AUTO_RECOMPUTE_MARGIN = 0.1
+
+
+def resolve_recompute(cfg, arch, world: int, detected_bytes: int | None = None) -> str | None:
+    """model.recompute=auto made concrete in `cfg`: the least recompute (models/builder.RECOMPUTE)
+    whose plan peaks within the device less the margin; the most when none does (the plan's check
+    then refuses, naming the terms); none where the device is unknown. Returns a line saying what
+    auto chose and why, or None when the key was set."""
+    from rlfactory_megatron.models.builder import RECOMPUTE
+
+    if cfg.model.recompute != "auto":
+        return None
+    device_bytes, _ = _device(cfg, detected_bytes)
+    if device_bytes is None:
+        cfg.model.recompute = "none"
+        return "model.recompute=auto: none (no device to fit: no GPU here and no parallel.device_memory_gib)"
+    room = (1 - AUTO_RECOMPUTE_MARGIN) * device_bytes
+    peaks = []
+    for choice in RECOMPUTE:
+        cfg.model.recompute = choice
+        phase, peak = memory_plan(cfg, arch, world, detected_bytes).peak()
+        peaks.append(f"{choice} {_gib(peak)}")
+        if peak <= room:
+            break
+    return (f"model.recompute=auto: {cfg.model.recompute} (peak GiB by recompute: {', '.join(peaks)}; "
+            f"fits within {_gib(room)} GiB, {1 - AUTO_RECOMPUTE_MARGIN:g} of the device)")
+
+
 def device_memory() -> int | None:
     """This machine's GPU memory in bytes (its first visible device: a node's GPUs are alike), or
     None without a GPU. Reads the device's properties without making a CUDA context."""
@@ -216,8 +246,8 @@ def _activations(cfg, arch, stage: int, element: int) -> Term:
     norms), the attention output and flash attention's fp32 softmax statistics, and what
     megatron's unfused SwiGLU keeps (the builder turns fusions off): its input, silu(gate), the
     linear half plus its offset, and their product; times the layers whose micro-batches wait for
-    their backward pass on this stage; with recompute only each layer's input plus one layer
-    recomputed; on the last stage, the log-prob's buffers. Per token of this rank's share of the
+    their backward pass on this stage; with full recompute only each layer's input plus one layer
+    recomputed, with selective each layer without its MLP's intermediates plus one MLP's; on the last stage, the log-prob's buffers. Per token of this rank's share of the
     micro-batch: 1/cp of it under context parallelism (keys and values travel, only the rank's own stay)."""
     from rlfactory_megatron.kernels.logprob.fused import default_chunk_size
 
@@ -226,19 +256,23 @@ def _activations(cfg, arch, stage: int, element: int) -> Term:
     sp = tp if cfg.parallel.sequence_parallel else 1
     h, hd = arch.hidden_size, arch.head_dim
     heads, kv = arch.num_heads // tp, arch.num_kv_heads // tp
-    layer = (element * (4 * h / sp + (2 * heads + 2 * kv) * hd + ((heads + kv) * hd if arch.features.qk_norm else 0)
-                        + 5 * arch.ffn_hidden_size / tp)
-             + 4 * heads)
+    mlp = element * 5 * arch.ffn_hidden_size / tp
+    layer = (element * (4 * h / sp + (2 * heads + 2 * kv) * hd + ((heads + kv) * hd if arch.features.qk_norm else 0))
+             + mlp + 4 * heads)
     # Micro-batches a stage holds before its first backward pass: megatron's 1F1B warm-up (and
     # the interleaved schedule's, in chunks of num_layers / (pp * vpp) layers) plus one.
     warmup = (pp - stage - 1) * 2 + (vpp - 1) * pp if vpp > 1 else pp - stage - 1
     waiting = (warmup + 1) * arch.num_layers / (pp * vpp)
     keys = ["a smaller actor.max_tokens_per_microbatch", "a larger parallel.cp"]
-    if cfg.model.recompute_activations:
+    recompute = cfg.model.recompute
+    if recompute == "full":
         total = tokens * (waiting * element * h / sp + layer)
+    elif recompute == "selective":
+        total = tokens * (waiting * (layer - mlp) + mlp)
+        keys.append("model.recompute=full")
     else:
         total = tokens * waiting * layer
-        keys.append("model.recompute_activations=true")
+        keys.append("model.recompute=selective or full")
     if tp > 1 and not cfg.parallel.sequence_parallel:
         keys.append("parallel.sequence_parallel=true")
     if stage == pp - 1:
@@ -249,9 +283,8 @@ def _activations(cfg, arch, stage: int, element: int) -> Term:
         else:
             total += tokens * vocab * (element + 8)  # logits, fp32 log-softmax and its gradient
             keys.append("actor.use_fused_logprob=true")
-    recompute = ", recompute" if cfg.model.recompute_activations else ""
     share = f" of {cfg.actor.max_tokens_per_microbatch} over cp={cp}" if cp > 1 else ""
-    return Term(f"activations ({tokens} tokens{share}{recompute})", total, tuple(keys))
+    return Term(f"activations ({tokens} tokens{share}, recompute {recompute})", total, tuple(keys))
 
 
 def _engine(cfg, arch, weights: float, element: int, device_bytes: float | None) -> tuple[str, str | None]:
