@@ -325,13 +325,13 @@ def memory_plan_bounds_the_measured_training_peak(ctx):
                                     intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
                                     num_key_value_heads=4, head_dim=64, vocab_size=32000, max_position_embeddings=8192))
     reports = []
-    for recompute in (False, True):
+    for recompute in ("none", "selective", "full"):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        cfg, arch, actor, _ = _trained_actor(hf_dir, 8192, 2, 4096, recompute_activations=recompute)
+        cfg, arch, actor, _ = _trained_actor(hf_dir, 8192, 2, 4096, recompute=recompute)
         measured = torch.cuda.max_memory_allocated() - base
-        cfg.model.params_dtype, cfg.model.recompute_activations = "bfloat16", recompute
+        cfg.model.params_dtype, cfg.model.recompute = "bfloat16", recompute
         plan = memory_plan(cfg, arch, 1)
         planned = sum(t.bytes for t in plan.terms("training") if not t.name.startswith("CUDA"))
         reports.append(f"recompute={recompute}: measured {measured / 2**30:.2f} GiB, planned {planned / 2**30:.2f} GiB "

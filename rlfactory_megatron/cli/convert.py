@@ -1,10 +1,11 @@
 """`rlf-convert`: HF <-> Megatron distributed checkpoints, and an exactness check against HF.
 
-  rlf-convert hf-to-mcore --hf-dir H --out M --tp T --pp P [--ep E]
-  rlf-convert mcore-to-hf --mcore-dir M --out H2 [--tp T --pp P --ep E]   (M: also a run checkpoint, step_N or its actor/)
-  rlf-convert check --hf-dir H --tp T --pp P [--vpp V --ep E]
+  rlf-convert hf-to-mcore --hf-dir H --out M --tp T --pp P [--ep E --etp X]
+  rlf-convert mcore-to-hf --mcore-dir M --out H2 [--tp T --pp P --ep E --etp X]   (M: also a run checkpoint, step_N or its actor/)
+  rlf-convert check --hf-dir H --tp T --pp P [--vpp V --ep E --etp X]
 
---ep splits a MoE model's experts over E ranks. Outside a launcher (torchrun/srun/mpirun) the
+--ep splits a MoE model's experts over E ranks, --etp each expert over X ranks (default: T). The
+checkpoint is a distributed one: a run loads it at any layout. Outside a launcher (torchrun/srun/mpirun) the
 command starts the T*P*E local CPU processes it needs.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 
 
-def _hf_to_mcore(hf_dir: str, out: str, tp: int, pp: int, vpp: int | None, ep: int) -> dict:
+def _hf_to_mcore(hf_dir: str, out: str, tp: int, pp: int, vpp: int | None, ep: int, etp: int | None) -> dict:
     from rlfactory_megatron.models.builder import build_model_chunks
     from rlfactory_megatron.models.conversion import load_hf_weights
     from rlfactory_megatron.models.hf_arch import load_arch
@@ -25,7 +26,7 @@ def _hf_to_mcore(hf_dir: str, out: str, tp: int, pp: int, vpp: int | None, ep: i
     from rlfactory_megatron.runtime.distributed import ParallelSizes, destroy_distributed, init_distributed
 
     arch = load_arch(hf_dir)
-    init_distributed(ParallelSizes(tp, pp, vpp, ep=ep))
+    init_distributed(ParallelSizes(tp, pp, vpp, ep=ep, etp=etp))
     try:
         chunks = build_model_chunks(arch)
         load_hf_weights(chunks, arch, hf_dir)
@@ -35,7 +36,7 @@ def _hf_to_mcore(hf_dir: str, out: str, tp: int, pp: int, vpp: int | None, ep: i
     return {"out": out}
 
 
-def _mcore_to_hf(mcore_dir: str, out: str, tp: int, pp: int, vpp: int | None, ep: int) -> dict:
+def _mcore_to_hf(mcore_dir: str, out: str, tp: int, pp: int, vpp: int | None, ep: int, etp: int | None) -> dict:
     import torch.distributed as dist
 
     from rlfactory_megatron.models.builder import BuildOptions, build_model_chunks
@@ -45,7 +46,7 @@ def _mcore_to_hf(mcore_dir: str, out: str, tp: int, pp: int, vpp: int | None, ep
     from rlfactory_megatron.runtime.distributed import ParallelSizes, destroy_distributed, init_distributed
 
     arch, padded_vocab = read_mcore_meta(mcore_dir)
-    init_distributed(ParallelSizes(tp, pp, vpp, ep=ep))
+    init_distributed(ParallelSizes(tp, pp, vpp, ep=ep, etp=etp))
     try:
         chunks = build_model_chunks(arch, BuildOptions(padded_vocab_size=padded_vocab))
         load_mcore_checkpoint(chunks, mcore_dir)
@@ -56,10 +57,10 @@ def _mcore_to_hf(mcore_dir: str, out: str, tp: int, pp: int, vpp: int | None, ep
     return {"out": out}
 
 
-def _check(hf_dir: str, tp: int, pp: int, vpp: int | None, ep: int) -> list[dict]:
+def _check(hf_dir: str, tp: int, pp: int, vpp: int | None, ep: int, etp: int | None) -> list[dict]:
     from rlfactory_megatron.models.parity import job_parity
 
-    return job_parity(hf_dir, tp, pp, vpp, ep)
+    return job_parity(hf_dir, tp, pp, vpp, ep, etp)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--pp", type=int, default=1)
         p.add_argument("--vpp", type=int, default=None)
         p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (MoE models)")
+        p.add_argument("--etp", type=int, default=None, help="expert tensor-parallel ranks (MoE models; default: --tp)")
     return parser
 
 
@@ -99,10 +101,13 @@ def main(argv: list[str] | None = None) -> int:
         arch = read_mcore_meta(args.mcore_dir)[0] if args.command == "mcore-to-hf" else load_arch(args.hf_dir)
         from omegaconf import OmegaConf
 
-        sizes = OmegaConf.create({"parallel": {"tp": args.tp, "pp": args.pp, "vpp": args.vpp, "ep": args.ep}})
-        world = args.tp * args.pp * args.ep
+        sizes = OmegaConf.create({"parallel": {"tp": args.tp, "pp": args.pp, "vpp": args.vpp, "ep": args.ep,
+                                               "etp": args.etp}})
+        from rlfactory_megatron.runtime.distributed import ParallelSizes
+
+        world = ParallelSizes(args.tp, args.pp, args.vpp, ep=args.ep, etp=args.etp).smallest_world
         validate_against_model(sizes, arch, world)
-        layout = (args.tp, args.pp, args.vpp, args.ep)
+        layout = (args.tp, args.pp, args.vpp, args.ep, args.etp)
         if args.command == "hf-to-mcore":
             run_as_job(_hf_to_mcore, world, args.hf_dir, args.out, *layout)
             print(f"rlf-convert: wrote Megatron checkpoint (tp={args.tp}, pp={args.pp}, ep={args.ep}) to {args.out}")

@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     from rlfactory_megatron.runtime.launch_env import detect_launch_env
     from rlfactory_megatron.runtime.threads import choose_threads
     from rlfactory_megatron.trainer.checkpoint import CONFIG_FILE, check_resume
-    from rlfactory_megatron.trainer.memory_plan import device_memory, memory_plan
+    from rlfactory_megatron.trainer.memory_plan import device_memory, memory_plan, resolve_recompute
 
     try:
         launch = detect_launch_env()
@@ -120,16 +120,20 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"--world-size {args.world_size}: give --plan or --check a job size >= 1 to plan for")
             world = args.world_size
         validate_against_model(cfg, arch, world)
+        detected = device_memory()
+        # Before config.yaml is written (or printed, or compared with a checkpoint's): every rank
+        # builds the model with the resolved choice.
+        recompute = resolve_recompute(cfg, arch, world, detected)
         if args.print_config:
             print(to_yaml(cfg))
             return 0
         judge = cfg.reward.model
         judge_arch = (load_arch(resolve_model_path(judge.path, "reward.model.path", tokenizer=not args.plan))
                       if judge.kind is not None and judge.placement == "colocated" and judge.path else None)
-        plan = memory_plan(cfg, arch, world, device_memory(), judge_arch)
+        plan = memory_plan(cfg, arch, world, detected, judge_arch)
         if args.plan:
             if launch.rank == 0:
-                print(plan.render())
+                print((f"{recompute}\n" if recompute else "") + plan.render())
             plan.check()
             return 0
         plan.check()
@@ -157,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{f' ep={cfg.parallel.ep}' if cfg.parallel.ep > 1 else ''} "
                       f"on {world} rank(s); outputs in {output.resolve()}")
                 print(plan.summary())
+                if recompute:
+                    print(f"rlf-train: {recompute}")
                 print(f"rlf-train: {prompts}")
                 if not verbose:
                     print(f"rlf-train: library output goes to {output / 'logs'} (--verbose shows it here)")

@@ -12,7 +12,7 @@ from omegaconf.errors import OmegaConfBaseException
 from rlfactory_megatron.config.schema import MoEConfig, RLFConfig
 
 DEFAULT_CONFIG = Path(__file__).with_name("default.yaml")
-POSITIVE_INTS = ("parallel.tp", "parallel.pp", "parallel.cp", "parallel.ep", "rollout.n", "rollout.tp", "actor.ppo_epochs",
+POSITIVE_INTS = ("parallel.tp", "parallel.pp", "parallel.cp", "parallel.ep", "parallel.etp", "rollout.n", "rollout.tp", "actor.ppo_epochs",
                  "actor.mini_batch_size", "actor.max_tokens_per_microbatch",
                  "trainer.prompts_per_step", "weight_sync.bucket_mb", "tools.max_turns", "trainer.sft_batch_size",
                  "trainer.max_skipped_updates", "rollout.max_prompt_tokens", "rollout.max_response_tokens",
@@ -38,7 +38,7 @@ def closed_sets(cfg) -> dict[str, Collection[str]]:
     from rlfactory_megatron.algorithms.policy_losses import POLICY_LOSSES
     from rlfactory_megatron.envs.agent_loop import TURN_SCHEDULES
     from rlfactory_megatron.envs.tool_manager import TOOL_FORMATS
-    from rlfactory_megatron.models.builder import LAYER_SPECS
+    from rlfactory_megatron.models.builder import LAYER_SPECS, RECOMPUTE
     from rlfactory_megatron.rewards import PROTOCOLS, REWARD_MANAGERS
     from rlfactory_megatron.rollout import ray_engine  # noqa: F401  (registers the broadcast transport)
     from rlfactory_megatron.rollout.engines import ROLLOUT_ENGINES
@@ -51,6 +51,7 @@ def closed_sets(cfg) -> dict[str, Collection[str]]:
     sets = {
         "model.params_dtype": ("auto", "float32", "bfloat16", "float16"),
         "model.layer_spec": LAYER_SPECS,
+        "model.recompute": ("auto", *RECOMPUTE),
         "model.moe.load_balancing": ("none", "aux_loss", "seq_aux_loss"),
         "model.moe.router_dtype": ("fp32", "fp64"),
         "actor.moe.routing_replay": ("none", "R2", "R3"),
@@ -523,13 +524,28 @@ def validate_against_model(cfg, arch, world_size: int) -> None:
 
 
 def _check_expert_layout(cfg, arch, world_size: int) -> None:
-    """parallel.ep against the model's experts and the job: megatron splits the experts evenly over
-    the EP ranks and lays tp x ep x pp ranks out per expert group."""
+    """parallel.ep and parallel.etp against the model's experts and the job: megatron splits the
+    experts evenly over the EP ranks, each expert's FFN over the expert-TP ranks, and lays
+    etp x ep x pp ranks out per expert group."""
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
     ep = OmegaConf.select(cfg, "parallel.ep", default=1)
+    etp = OmegaConf.select(cfg, "parallel.etp", default=None)
     if ep > 1 and arch.moe is None:
         raise ConfigError(f"parallel.ep={ep} needs a mixture-of-experts model; model '{arch.model_type}' is dense: "
                           "set parallel.ep=1")
+    if etp is not None and arch.moe is None:
+        raise ConfigError(f"parallel.etp={etp} splits a mixture-of-experts model's experts; model "
+                          f"'{arch.model_type}' is dense: leave parallel.etp out (null)")
+    if arch.moe is not None and etp is not None and arch.moe.expert_ffn_hidden_size % etp:
+        raise ConfigError(f"parallel.etp={etp} does not divide the experts' {arch.moe.expert_ffn_hidden_size}-wide "
+                          f"FFN; use one of {_divisors(arch.moe.expert_ffn_hidden_size)}")
+    if etp is not None and etp != tp and ep == 1:
+        # megatron's DDP reduces an expert's gradient over the expert data-parallel ranks (those
+        # of the other TP ranks' tokens included) only for expert-parallel parameters (ep > 1).
+        raise ConfigError(f"parallel.etp={etp} differs from parallel.tp={tp} and needs parallel.ep > 1 (megatron "
+                          "reduces the experts' gradients over their own ranks only under expert parallelism); "
+                          "raise parallel.ep or leave parallel.etp out")
+    etp = tp if etp is None else etp
     moe = OmegaConf.select(cfg, "model.moe")
     if arch.moe is None and moe is not None:  # a dense model has no router for these keys to act on
         for key, default in asdict(MoEConfig()).items():
@@ -546,9 +562,10 @@ def _check_expert_layout(cfg, arch, world_size: int) -> None:
     if arch.moe is not None and arch.moe.num_experts % ep:
         raise ConfigError(f"parallel.ep={ep} does not divide the model's {arch.moe.num_experts} experts; "
                           f"use one of {_divisors(arch.moe.num_experts)}")
-    if world_size % (tp * ep * pp):
-        raise ConfigError(f"parallel.tp*parallel.ep*parallel.pp={tp}*{ep}*{pp} does not divide the world of "
-                          f"{world_size} rank(s) (megatron's expert groups); lower parallel.ep or add ranks")
+    if world_size % (etp * ep * pp):
+        raise ConfigError(f"parallel.etp*parallel.ep*parallel.pp={etp}*{ep}*{pp} does not divide the world of "
+                          f"{world_size} rank(s) (megatron's expert groups; etp: parallel.etp, else parallel.tp); "
+                          "lower parallel.ep or add ranks")
     if arch.moe is not None and tp > 1 and not OmegaConf.select(cfg, "parallel.sequence_parallel", default=True):
         raise ConfigError(f"parallel.tp={tp} with a MoE model needs parallel.sequence_parallel=true "
                           "(megatron's MoE layer trains under TP only with sequence parallelism)")

@@ -30,7 +30,13 @@ class ModelConfig:
     # attention has no float32 kernel for the actor's packed sequences), float32 otherwise
     params_dtype: str = "auto"
     layer_spec: str = "auto"  # auto (TE on GPU, local_sdpa on CPU) | local_sdpa | local | transformer_engine
-    recompute_activations: bool = False  # recompute each layer's activations in the backward pass (memory for time)
+    # Activation recompute in the backward pass (memory for time): none; selective (each layer's
+    # MLP, or a MoE layer's experts, recomputed from its input: the SwiGLU's intermediates, most of
+    # a layer's activations); full (every layer from its input); auto: the least of these whose
+    # memory plan leaves 10% of the device spare, chosen by rlf-train at load from the model's shape
+    # (--plan shows it; the run's config.yaml keeps the choice); none where no device is known
+    # (no GPU and no parallel.device_memory_gib).
+    recompute: str = "auto"
     moe: MoEConfig = field(default_factory=MoEConfig)  # mixture-of-experts models' router (docs/moe.md)
 
 
@@ -45,9 +51,13 @@ class ParallelConfig:
     # For long trajectories: each rank keeps 1/cp of a micro-batch's activations.
     cp: int = 1
     # Expert-parallel ranks of a mixture-of-experts model: each holds experts / ep of every MoE
-    # layer (tokens travel to their experts and back); divides the experts, tp * ep * pp divides
-    # the world; expert tensor parallelism is tp.
+    # layer (tokens travel to their experts and back); divides the experts, etp * ep * pp divides
+    # the world.
     ep: int = 1
+    # Expert tensor-parallel ranks: each expert's FFN is split over etp ranks (null: tp, megatron's
+    # default). 1 keeps every expert whole (no 1/tp-wide GEMMs nor their collectives; the expert
+    # data-parallel ranks are then the tp ranks too): the faster layout for many small experts.
+    etp: Optional[int] = None
     # Memory of one training GPU in GiB, which the memory plan (rlf-train --plan, and every run's
     # start-up) must fit: on a GPU, the device's own or this if smaller; on a machine without one,
     # the GPU to plan for (null there: the plan is shown, not checked).

@@ -29,7 +29,7 @@ class BuildOptions:
     params_dtype: str = "float32"
     value_head: bool = False  # critic: a [hidden -> 1] head instead of the LM head
     layer_spec: str = "auto"  # "auto" | "local_sdpa" | "local" | "transformer_engine"
-    recompute_activations: bool = False
+    recompute: str = "none"  # one of RECOMPUTE (model.recompute, `auto` resolved by the memory plan)
     sequence_parallel: bool = False
     padded_vocab_size: int | None = None  # keep a checkpoint's padding when loading it at another TP
     output_hidden_states: bool = False  # policy: last stage returns hidden states, not logits (fused log-prob)
@@ -120,6 +120,23 @@ def moe_settings(arch: ModelArch, layer_spec: str, on_gpu: bool, options: MoEOpt
     )
 
 
+# Activation recompute, least first (model.recompute; the memory plan's `auto` picks the first that fits).
+RECOMPUTE = ("none", "selective", "full")
+
+
+def recompute_settings(recompute: str, arch: ModelArch) -> dict:
+    """megatron's recompute fields: selective recomputes each layer's MLP (a MoE layer's experts),
+    full every layer from its input, one layer at a time."""
+    if recompute == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if recompute == "selective":
+        return dict(recompute_granularity="selective", recompute_modules=["moe" if arch.moe else "mlp"])
+    if recompute != "none":
+        raise ValueError(f"model.recompute={recompute}: the builder takes one of {', '.join(RECOMPUTE)} "
+                         "(auto is resolved by the memory plan at load)")
+    return {}
+
+
 def transformer_config(arch: ModelArch, options: BuildOptions):
     from megatron.core import parallel_state
     from megatron.core.transformer import TransformerConfig
@@ -161,9 +178,7 @@ def transformer_config(arch: ModelArch, options: BuildOptions):
         # the backward pass calls the autograd engine directly, which also keeps cpu_compat's CUDA
         # mapping on for backward functions (torch.autograd.backward ran them without it).
         deallocate_pipeline_outputs=True,
-        recompute_granularity="full" if options.recompute_activations else None,
-        recompute_method="uniform" if options.recompute_activations else None,
-        recompute_num_layers=1 if options.recompute_activations else None,
+        **recompute_settings(options.recompute, arch),
     )
 
 

@@ -68,13 +68,14 @@ class ModelArch:
         multiple = divisible_by * tp
         return int(math.ceil(self.vocab_size / multiple) * multiple)
 
-    def parameter_count(self, tp: int = 1, pp: int = 1, stage: int = 0, value_head: bool = False, ep: int = 1) -> int:
+    def parameter_count(self, tp: int = 1, pp: int = 1, stage: int = 0, value_head: bool = False, ep: int = 1,
+                        etp: int | None = None) -> int:
         """Parameters of the megatron model on one rank of pipeline stage `stage` (at tp=pp=1:
         the whole model, e.g. 7,615,616,512 for Qwen2-7B). The first stage holds the embedding,
         the last the final norm and the LM head (a tied head is a copy of its own there when
         pp > 1) or, for a critic, the [hidden -> 1] value head; TP splits every projection and
         the vocab, norms are replicated. A MoE layer's experts are split over `ep` ranks (and
-        each over TP, megatron's default expert TP), its router replicated."""
+        each over `etp`, by default tp as megatron's), its router replicated."""
         h, hd = self.hidden_size, self.head_dim
         qkv = (self.num_heads + 2 * self.num_kv_heads) * hd
         if self.moe is None:
@@ -86,7 +87,7 @@ class ModelArch:
                  + (2 * hd if self.features.qk_norm else 0)  # q/k RMSNorm over head_dim, replicated
                  + self.num_heads * hd * h // tp  # output projection
                  + mlp)
-        count = self.num_layers // pp * layer + self.expert_parameter_count(tp, pp, ep)
+        count = self.num_layers // pp * layer + self.expert_parameter_count(tp if etp is None else etp, pp, ep)
         vocab = self.padded_vocab_size(tp) // tp * h
         if stage == 0:
             count += vocab
@@ -98,13 +99,13 @@ class ModelArch:
                 count += vocab
         return count
 
-    def expert_parameter_count(self, tp: int = 1, pp: int = 1, ep: int = 1) -> int:
+    def expert_parameter_count(self, etp: int = 1, pp: int = 1, ep: int = 1) -> int:
         """Expert parameters on one rank (part of parameter_count): its experts / ep of each MoE
-        layer of its stage, each split over TP; 0 for a dense model."""
+        layer of its stage, each split over `etp` expert-TP ranks; 0 for a dense model."""
         if self.moe is None:
             return 0
         return self.num_layers // pp * (self.moe.num_experts // ep * 3 * self.moe.expert_ffn_hidden_size
-                                         * self.hidden_size // tp)
+                                         * self.hidden_size // etp)
 
     def kv_cache_bytes_per_token(self, element_size: int, tp: int = 1) -> int:
         """Keys and values of one token in every layer, on one of `tp` devices (KV heads are

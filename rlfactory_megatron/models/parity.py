@@ -48,6 +48,16 @@ def _finalize_grads(chunks: list[torch.nn.Module]) -> None:
             for name, param in chunk.named_parameters():
                 if "q_layernorm" in name or "k_layernorm" in name or getattr(param, "sequence_parallel", False):
                     dist.all_reduce(param.grad, group=parallel_state.get_tensor_model_parallel_group())
+    # An expert's gradient as megatron's DDP makes it: summed over the ranks holding the same
+    # expert shard (expert data parallel: at etp < tp the TP ranks, each with its part of the
+    # sequence, too) and divided by the data-parallel size, since every data-parallel replica here
+    # runs the same batch.
+    replicas = parallel_state.get_data_parallel_world_size()
+    for chunk in chunks:
+        for param in chunk.parameters():
+            if not getattr(param, "allreduce", True):
+                dist.all_reduce(param.grad, group=parallel_state.get_expert_data_parallel_group())
+                param.grad /= replicas
     if parallel_state.get_pipeline_model_parallel_world_size() == 1 or not parallel_state.is_rank_in_embedding_group():
         return
     for chunk in chunks:
@@ -92,13 +102,8 @@ def check_parity(hf_dir: str, export_dir: str | None = None, seq_len: int = 16, 
         loss = torch.stack([out["loss"] for out in outputs]).mean()
         result["logits_max_diff"] = (logits - ref_logits).abs().max().item()
         result["loss_diff"] = abs(loss.item() - ref_loss.item())
-    # Every data-parallel replica runs the same batch, and the ranks of an expert-parallel group
-    # send their tokens to each other's experts: an expert's gradient sums over the group's
-    # replicas (megatron's DDP then averages it), every other parameter's is one replica's.
-    replicas = parallel_state.get_expert_model_parallel_world_size()
     grad_diffs = {name: (grad.cpu() - ref_grads[name]).abs().max().item()
-                  for name, grad in iter_hf_tensors(
-                      chunks, arch, source=lambda p: p.grad if getattr(p, "allreduce", True) else p.grad / replicas)}
+                  for name, grad in iter_hf_tensors(chunks, arch, source=lambda p: p.grad)}
     result["grad_max_diff"] = max(grad_diffs.values())
     result["grad_names_missing"] = sorted(set(ref_grads) - set(grad_diffs))
     if export_dir is not None:
@@ -112,9 +117,10 @@ def check_parity(hf_dir: str, export_dir: str | None = None, seq_len: int = 16, 
 
 
 def parity_worker(hf_dirs: list[str], tp: int, pp: int, vpp: int | None = None,
-                  export_dirs: list[str | None] | None = None, ep: int = 1) -> list[dict[str, Any]]:
+                  export_dirs: list[str | None] | None = None, ep: int = 1,
+                  etp: int | None = None) -> list[dict[str, Any]]:
     """One rank of a parity job over several checkpoints (process groups are set up once)."""
-    init_distributed(ParallelSizes(tp, pp, vpp, ep=ep))
+    init_distributed(ParallelSizes(tp, pp, vpp, ep=ep, etp=etp))
     try:
         exports = export_dirs or [None] * len(hf_dirs)
         return [check_parity(hf_dir, export) for hf_dir, export in zip(hf_dirs, exports)]
@@ -122,11 +128,12 @@ def parity_worker(hf_dirs: list[str], tp: int, pp: int, vpp: int | None = None,
         destroy_distributed()
 
 
-def job_parity(hf_dir: str, tp: int, pp: int, vpp: int | None = None, ep: int = 1) -> list[dict[str, Any]]:
+def job_parity(hf_dir: str, tp: int, pp: int, vpp: int | None = None, ep: int = 1,
+               etp: int | None = None) -> list[dict[str, Any]]:
     """One rank of a parity check of one checkpoint; returns every rank's result, so that under a
     launcher (one process per rank) any rank can judge the whole job: a pipeline rank without the
     last stage has no logits, another rank's gradients may be the worst."""
-    init_distributed(ParallelSizes(tp, pp, vpp, ep=ep))
+    init_distributed(ParallelSizes(tp, pp, vpp, ep=ep, etp=etp))
     try:
         mine = check_parity(hf_dir)
         every: list[Any] = [None] * dist.get_world_size()

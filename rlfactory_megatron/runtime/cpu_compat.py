@@ -166,7 +166,7 @@ def enable_cpu_compat() -> bool:
         torch.cuda.synchronize = lambda *args, **kwargs: None
         mcore_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
         mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
-        # Recompute (model.recompute_activations) keeps every RNG state to replay dropout: on CPU
+        # Recompute (model.recompute) keeps every RNG state to replay dropout: on CPU
         # the CUDA generator is the CPU one, whose state megatron keeps next to it.
         mcore_random._get_cuda_rng_state = lambda *args, **kwargs: None
         mcore_random._set_cuda_rng_state = lambda *args, **kwargs: None

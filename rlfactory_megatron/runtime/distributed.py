@@ -30,12 +30,17 @@ class ParallelSizes:
     pp: int = 1
     vpp: int | None = None  # virtual pipeline stages per rank (interleaved schedule)
     cp: int = 1  # context-parallel ranks, among which every sequence's tokens are split
-    ep: int = 1  # expert-parallel ranks, among which a MoE layer's experts are split (within tp x ep x pp)
+    ep: int = 1  # expert-parallel ranks, among which a MoE layer's experts are split (within etp x ep x pp)
+    etp: int | None = None  # expert tensor-parallel ranks, which split each expert; None: tp (megatron's default)
 
     @classmethod
     def of(cls, parallel) -> "ParallelSizes":
         """The sizes a config's `parallel` section names."""
-        return cls(parallel.tp, parallel.pp, parallel.vpp, parallel.cp, parallel.ep)
+        return cls(parallel.tp, parallel.pp, parallel.vpp, parallel.cp, parallel.ep, parallel.etp)
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
 
     @property
     def model_ranks(self) -> int:
@@ -44,9 +49,9 @@ class ParallelSizes:
 
     @property
     def smallest_world(self) -> int:
-        """The fewest ranks holding the model and its expert layout (tp x ep x pp ranks per expert
+        """The fewest ranks holding the model and its expert layout (etp x ep x pp ranks per expert
         group, expert parallelism within data parallelism): the ranks rlf-train starts by hand."""
-        return math.lcm(self.model_ranks, self.tp * self.ep * self.pp)
+        return math.lcm(self.model_ranks, self.expert_tp * self.ep * self.pp)
 
     def dp(self, world_size: int) -> int:
         return world_size // self.model_ranks
@@ -68,10 +73,11 @@ def init_distributed(
             f"world size {world} is not divisible by parallel.tp*parallel.pp*parallel.cp = "
             f"{sizes.tp}*{sizes.pp}*{sizes.cp}; change parallel.tp/parallel.pp/parallel.cp or the number of processes"
         )
-    if world % (sizes.tp * sizes.ep * sizes.pp) != 0:
+    if world % (sizes.expert_tp * sizes.ep * sizes.pp) != 0:
         raise ValueError(
-            f"world size {world} is not divisible by parallel.tp*parallel.ep*parallel.pp = "
-            f"{sizes.tp}*{sizes.ep}*{sizes.pp} (megatron's expert groups); change parallel.ep or the number of processes"
+            f"world size {world} is not divisible by parallel.etp*parallel.ep*parallel.pp = "
+            f"{sizes.expert_tp}*{sizes.ep}*{sizes.pp} (megatron's expert groups); change parallel.ep/etp or the "
+            "number of processes"
         )
     on_gpu = cuda_available()
     if on_gpu:
@@ -98,6 +104,7 @@ def init_distributed(
             virtual_pipeline_model_parallel_size=sizes.vpp,
             context_parallel_size=sizes.cp,
             expert_model_parallel_size=sizes.ep,
+            expert_tensor_parallel_size=sizes.etp,
         )
     seed_everything(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)

@@ -156,6 +156,36 @@ def _add_judge(plan: MemoryPlan, cfg, arch) -> None:
     plan.engine += "; " + text
 
 
+# model.recompute=auto: the least recompute whose plan leaves this much of the device spare (the
+# activation terms are estimates; fragmentation and the allowance's own error need room).
+AUTO_RECOMPUTE_MARGIN = 0.1
+
+
+def resolve_recompute(cfg, arch, world: int, detected_bytes: int | None = None) -> str | None:
+    """model.recompute=auto made concrete in `cfg`: the least recompute (models/builder.RECOMPUTE)
+    whose plan peaks within the device less the margin; the most when none does (the plan's check
+    then refuses, naming the terms); none where the device is unknown. Returns a line saying what
+    auto chose and why, or None when the key was set."""
+    from rlfactory_megatron.models.builder import RECOMPUTE
+
+    if cfg.model.recompute != "auto":
+        return None
+    device_bytes, _ = _device(cfg, detected_bytes)
+    if device_bytes is None:
+        cfg.model.recompute = "none"
+        return "model.recompute=auto: none (no device to fit: no GPU here and no parallel.device_memory_gib)"
+    room = (1 - AUTO_RECOMPUTE_MARGIN) * device_bytes
+    peaks = []
+    for choice in RECOMPUTE:
+        cfg.model.recompute = choice
+        phase, peak = memory_plan(cfg, arch, world, detected_bytes).peak()
+        peaks.append(f"{choice} {_gib(peak)}")
+        if peak <= room:
+            break
+    return (f"model.recompute=auto: {cfg.model.recompute} (peak GiB by recompute: {', '.join(peaks)}; "
+            f"fits within {_gib(room)} GiB, {1 - AUTO_RECOMPUTE_MARGIN:g} of the device)")
+
+
 def device_memory() -> int | None:
     """This machine's GPU memory in bytes (its first visible device: a node's GPUs are alike), or
     None without a GPU. Reads the device's properties without making a CUDA context."""
@@ -183,16 +213,18 @@ def _stage_plan(cfg, arch, world: int, stage: int, device_bytes: float | None, s
     from rlfactory_megatron.trainer.presets import trains_critic
 
     tp, pp, cp, ep = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp, cfg.parallel.ep
-    dp = max(1, ParallelSizes.of(cfg.parallel).dp(world))
+    sizes = ParallelSizes.of(cfg.parallel)
+    etp = sizes.expert_tp
+    dp = max(1, sizes.dp(world))
     element = ELEMENT_SIZE[cfg.model.params_dtype]
     dtype = cfg.model.params_dtype
     colocated = cfg.rollout.mode == "colocated"
-    params = arch.parameter_count(tp, pp, stage, ep=ep)  # a rank holds experts / ep of each MoE layer
+    params = arch.parameter_count(tp, pp, stage, ep=ep, etp=etp)  # experts / ep of each MoE layer, each 1/etp
     # CP ranks hold whole copies of their stage's weights; the distributed optimizer shards over dp x cp,
-    # and an expert's state over the ranks holding that expert (dp x cp / ep).
-    shards = (dp * cp, max(1, dp * cp // ep), arch.expert_parameter_count(tp, pp, ep))
+    # and an expert's state over the ranks holding the same part of that expert (dp x cp x tp / (etp x ep)).
+    shards = (dp * cp, max(1, dp * cp * tp // (etp * ep)), arch.expert_parameter_count(etp, pp, ep))
     actor = _model_state("actor", cfg.actor.optim, params, element, dtype, *shards)
-    critic = (_model_state("critic", cfg.critic.optim, arch.parameter_count(tp, pp, stage, value_head=True, ep=ep),
+    critic = (_model_state("critic", cfg.critic.optim, arch.parameter_count(tp, pp, stage, value_head=True, ep=ep, etp=etp),
                            element, dtype, *shards) if trains_critic(cfg) else [])
     reference = ([Term(f"reference weights ({dtype})", params * element, ("actor.kl_loss_coef=0", LAYOUT_KEYS))]
                  if cfg.actor.kl_loss_coef > 0 else [])
@@ -215,7 +247,8 @@ def _stage_plan(cfg, arch, world: int, stage: int, device_bytes: float | None, s
     engine, refusal = _engine(cfg, arch, engine_weights, element, device_bytes)
     holds = f"pipeline stage {stage + 1} of {pp} holds" if pp > 1 else "each rank holds"
     layout = (f"{arch.model_type} ({arch.num_layers} layers, {engine_params / 1e9:.2f}B parameters); tp={tp} pp={pp} "
-              f"{f'cp={cp} ' if cp > 1 else ''}{f'ep={ep} ' if ep > 1 else ''}dp={dp} ({world} ranks); {holds} "
+              f"{f'cp={cp} ' if cp > 1 else ''}{f'ep={ep} ' if ep > 1 else ''}{f'etp={etp} ' if etp != tp else ''}dp={dp} "
+              f"({world} ranks); {holds} "
               f"{params / 1e9:.2f}B")
     shares = ({"generation": Share("engine share", cfg.rollout.gpu_memory_utilization, "rollout.gpu_memory_utilization")}
               if colocated else {})
@@ -256,8 +289,8 @@ def _activations(cfg, arch, stage: int, element: int) -> Term:
     norms), the attention output and flash attention's fp32 softmax statistics, and what
     megatron's unfused SwiGLU keeps (the builder turns fusions off): its input, silu(gate), the
     linear half plus its offset, and their product; times the layers whose micro-batches wait for
-    their backward pass on this stage; with recompute only each layer's input plus one layer
-    recomputed; on the last stage, the log-prob's buffers. Per token of this rank's share of the
+    their backward pass on this stage; with full recompute only each layer's input plus one layer
+    recomputed, with selective each layer without its MLP's intermediates plus one MLP's; on the last stage, the log-prob's buffers. Per token of this rank's share of the
     micro-batch: 1/cp of it under context parallelism (keys and values travel, only the rank's own stay)."""
     from rlfactory_megatron.kernels.logprob.fused import default_chunk_size
 
@@ -266,19 +299,23 @@ def _activations(cfg, arch, stage: int, element: int) -> Term:
     sp = tp if cfg.parallel.sequence_parallel else 1
     h, hd = arch.hidden_size, arch.head_dim
     heads, kv = arch.num_heads // tp, arch.num_kv_heads // tp
-    layer = (element * (4 * h / sp + (2 * heads + 2 * kv) * hd + ((heads + kv) * hd if arch.features.qk_norm else 0)
-                        + 5 * arch.ffn_hidden_size / tp)
-             + 4 * heads)
+    mlp = element * 5 * arch.ffn_hidden_size / tp
+    layer = (element * (4 * h / sp + (2 * heads + 2 * kv) * hd + ((heads + kv) * hd if arch.features.qk_norm else 0))
+             + mlp + 4 * heads)
     # Micro-batches a stage holds before its first backward pass: megatron's 1F1B warm-up (and
     # the interleaved schedule's, in chunks of num_layers / (pp * vpp) layers) plus one.
     warmup = (pp - stage - 1) * 2 + (vpp - 1) * pp if vpp > 1 else pp - stage - 1
     waiting = (warmup + 1) * arch.num_layers / (pp * vpp)
     keys = ["a smaller actor.max_tokens_per_microbatch", "a larger parallel.cp"]
-    if cfg.model.recompute_activations:
+    recompute = cfg.model.recompute
+    if recompute == "full":
         total = tokens * (waiting * element * h / sp + layer)
+    elif recompute == "selective":
+        total = tokens * (waiting * (layer - mlp) + mlp)
+        keys.append("model.recompute=full")
     else:
         total = tokens * waiting * layer
-        keys.append("model.recompute_activations=true")
+        keys.append("model.recompute=selective or full")
     if tp > 1 and not cfg.parallel.sequence_parallel:
         keys.append("parallel.sequence_parallel=true")
     if stage == pp - 1:
@@ -289,9 +326,8 @@ def _activations(cfg, arch, stage: int, element: int) -> Term:
         else:
             total += tokens * vocab * (element + 8)  # logits, fp32 log-softmax and its gradient
             keys.append("actor.use_fused_logprob=true")
-    recompute = ", recompute" if cfg.model.recompute_activations else ""
     share = f" of {cfg.actor.max_tokens_per_microbatch} over cp={cp}" if cp > 1 else ""
-    return Term(f"activations ({tokens} tokens{share}{recompute})", total, tuple(keys))
+    return Term(f"activations ({tokens} tokens{share}, recompute {recompute})", total, tuple(keys))
 
 
 def _engine(cfg, arch, weights: float, element: int, device_bytes: float | None) -> tuple[str, str | None]:

@@ -31,6 +31,7 @@ from rlfactory_megatron.runtime.collectives import RankCollectives
 from rlfactory_megatron.runtime.stop import StopRequest
 from rlfactory_megatron.trainer.data import PromptSampler, run_records
 from rlfactory_megatron.trainer.logger import MetricsLogger, wandb_settings
+from rlfactory_megatron.trainer.memory_plan import device_memory, resolve_recompute
 from rlfactory_megatron.trainer.presets import ALGORITHM_PRESETS, trains_critic
 from rlfactory_megatron.trainer.checkpoint import (CONFIG_FILE, HF_DIR, checkpoint_dir, load_checkpoint,
                                                    resume_directory, save_checkpoint)
@@ -55,8 +56,11 @@ class Trainer:
         self.tokenizer = AutoTokenizer.from_pretrained(hf_dir)
         self.output = Path(cfg.trainer.output_dir)
         self.is_leader = dist.get_rank() == 0
+        # rlf-train resolved model.recompute=auto before writing config.yaml; a Trainer made from a
+        # loaded config directly (rlf-bench e2e, tests) resolves it the same way here.
+        resolve_recompute(cfg, self.arch, dist.get_world_size(), device_memory())
         build = BuildOptions(params_dtype=cfg.model.params_dtype, layer_spec=cfg.model.layer_spec,
-                             recompute_activations=cfg.model.recompute_activations,
+                             recompute=cfg.model.recompute,
                              sequence_parallel=cfg.parallel.sequence_parallel, moe=MoEOptions(**cfg.model.moe))
         self.learner = Learner(cfg, self.arch, hf_dir, build, self.preset.advantage, trains_critic(cfg),
                                asynchronous=cfg.trainer.max_staleness > 0)

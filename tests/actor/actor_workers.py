@@ -5,7 +5,7 @@ import torch
 
 from rlfactory_megatron.actor.actor import Actor, Critic
 from rlfactory_megatron.config import load_config
-from rlfactory_megatron.models.builder import BuildOptions, MoEOptions
+from rlfactory_megatron.models.builder import RECOMPUTE, BuildOptions, MoEOptions
 from rlfactory_megatron.models.hf_arch import load_arch
 from rlfactory_megatron.runtime.distributed import ParallelSizes, destroy_distributed, init_distributed
 from toy_rows import random_batch, toy_batch
@@ -393,15 +393,15 @@ def loss_scale_worker(hf_dir: str) -> dict:
 
 
 def recompute_worker(hf_dir: str) -> dict:
-    """One update of the same actor with and without activation recompute (megatron's full
-    recompute, which saves and restores every RNG state): grad norm, loss and weights after."""
+    """One update of the same actor under each model.recompute (megatron's selective and full
+    recompute save and restore every RNG state): grad norm, loss and weights after."""
     init_distributed(ParallelSizes(1, 1), seed=7)
     try:
         cfg = actor_config(**{"actor.kl_loss_coef": 0.0})
         arch = load_arch(hf_dir)
         out = {}
-        for recompute in (False, True):
-            actor = Actor(cfg.actor, arch, hf_dir, BuildOptions(recompute_activations=recompute), total_steps=10)
+        for recompute in RECOMPUTE:
+            actor = Actor(cfg.actor, arch, hf_dir, BuildOptions(recompute=recompute), total_steps=10)
             batch = random_batch(arch.vocab_size)
             old = actor.compute_log_probs(batch)["log_probs"]
             metrics = actor.update(batch.with_fields(old_log_probs=old - 0.05))
@@ -424,7 +424,7 @@ def routing_replay_worker(hf_dir: str, pp: int, recompute: bool, mini_batch_size
         cfg = actor_config(**{"actor.moe.routing_replay": "R2", "actor.mini_batch_size": mini_batch_size,
                               "actor.max_tokens_per_microbatch": 32})
         arch = load_arch(hf_dir)
-        build = BuildOptions(layer_spec=layer_spec, recompute_activations=recompute, moe=MoEOptions(**cfg.model.moe))
+        build = BuildOptions(layer_spec=layer_spec, recompute="full" if recompute else "none", moe=MoEOptions(**cfg.model.moe))
         out = {}
         for name in ("recorded", "shifted"):
             actor = Actor(cfg.actor, arch, hf_dir, build, total_steps=10)

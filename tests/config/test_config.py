@@ -89,7 +89,7 @@ MOE_ARCH = arch_from_hf_config({"model_type": "qwen3_moe", "num_hidden_layers": 
 
 @pytest.mark.parametrize("overrides,arch,world,message", [
     (["parallel.ep=3"], MOE_ARCH, 3, "parallel.ep=3 does not divide the model's 8 experts; use one of \\[1, 2, 4, 8\\]"),
-    (["parallel.ep=2", "parallel.tp=2"], MOE_ARCH, 2, "parallel.tp\\*parallel.ep\\*parallel.pp=2\\*2\\*1 does not divide "
+    (["parallel.ep=2", "parallel.tp=2"], MOE_ARCH, 2, "parallel.etp\\*parallel.ep\\*parallel.pp=2\\*2\\*1 does not divide "
                                                      "the world of 2"),
     (["parallel.ep=2"], ARCH, 2, "parallel.ep=2 needs a mixture-of-experts model; model 'qwen3' is dense"),
     (["parallel.tp=2"], MOE_ARCH, 2, "needs parallel.sequence_parallel=true"),
@@ -109,6 +109,28 @@ def test_expert_layouts_are_checked_at_load(overrides, arch, world, message):
         validate_against_model(load_config(overrides=overrides), arch, world)
     validate_against_model(load_config(overrides=["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true",
                                                   "actor.moe.routing_replay=R3"]), MOE_ARCH, 4)
+
+
+def test_parallel_etp_splits_experts_apart_from_tp_checked_at_load():
+    """Issue 53 item 9: experts at their own tensor-parallel size (megatron's
+    expert_tensor_parallel_size), which sizes the expert groups in place of tp."""
+    from rlfactory_megatron.runtime.distributed import ParallelSizes
+
+    whole = load_config(overrides=["parallel.tp=2", "parallel.ep=2", "parallel.etp=1", "parallel.sequence_parallel=true"])
+    sizes = ParallelSizes.of(whole.parallel)
+    assert (sizes.etp, sizes.expert_tp, sizes.smallest_world) == (1, 1, 2)  # etp x ep = tp: 2 ranks hold it all
+    validate_against_model(whole, MOE_ARCH, 2)
+    assert ParallelSizes.of(load_config(overrides=["parallel.tp=2"]).parallel).expert_tp == 2  # null: tp
+    for overrides, arch, world, message in [
+            (["parallel.etp=1"], ARCH, 1, "parallel.etp=1 splits a mixture-of-experts model's experts; model 'qwen3' "
+                                          "is dense: leave parallel.etp out"),
+            (["parallel.etp=3"], MOE_ARCH, 3, "parallel.etp=3 does not divide the experts' 64-wide FFN"),
+            (["parallel.tp=2", "parallel.etp=1", "parallel.sequence_parallel=true"], MOE_ARCH, 2,
+             "parallel.etp=1 differs from parallel.tp=2 and needs parallel.ep > 1"),
+            (["parallel.etp=2", "parallel.ep=2"], MOE_ARCH, 2, "parallel.etp\\*parallel.ep\\*parallel.pp=2\\*2\\*1"),
+            (["parallel.etp=0"], MOE_ARCH, 1, "parallel.etp=0 must be >= 1")]:
+        with pytest.raises(ConfigError, match=message):
+            validate_against_model(load_config(overrides=overrides), arch, world)
 
 
 def test_the_engines_record_routes_where_r3_replays_them_or_where_asked():

@@ -4,20 +4,25 @@ import torch
 
 from rlfactory_megatron.models.hf_checkpoint import iter_safetensors
 from rlfactory_megatron.models.parity import parity_worker
-from rlfactory_megatron.runtime.distributed import spawn_local_workers
+from rlfactory_megatron.runtime.distributed import ParallelSizes, spawn_local_workers
 
-# (tp, pp, vpp, ep); a layout with expert parallelism checks the MoE model only.
-LAYOUTS = [(1, 1, None, 1), (2, 1, None, 1), (1, 2, None, 1), (2, 2, None, 1), (1, 2, 2, 1), (1, 1, None, 2)]
+# (tp, pp, vpp, ep, etp); a layout with expert parallelism, or an expert TP of its own, checks the MoE model only.
+LAYOUTS = [(1, 1, None, 1, None), (2, 1, None, 1, None), (1, 2, None, 1, None), (2, 2, None, 1, None),
+           (1, 2, 2, 1, None), (1, 1, None, 2, None), (2, 1, None, 2, 1)]
 MOE_MODELS = ("qwen3_moe",)
 
 
-@pytest.mark.parametrize("tp,pp,vpp,ep", LAYOUTS, ids=[f"tp{t}-pp{p}" + (f"-vpp{v}" if v else "") + (f"-ep{e}" if e > 1 else "")
-                                                   for t, p, v, e in LAYOUTS])
-def test_logits_loss_and_gradients_equal_transformers(tiny_hf_dirs, tmp_path, tp, pp, vpp, ep):
-    names = sorted(n for n in tiny_hf_dirs if ep == 1 or n in MOE_MODELS)
+# tp2-pp1-ep2-etp1 is issue 53's item 9 (parallel.etp): 2 ranks, TP 2 for the dense layers, each expert
+# whole on one of them (EP 2 within the TP group).
+@pytest.mark.parametrize("tp,pp,vpp,ep,etp", LAYOUTS, ids=[
+    f"tp{t}-pp{p}" + (f"-vpp{v}" if v else "") + (f"-ep{e}" if e > 1 else "") + (f"-etp{x}" if x else "")
+    for t, p, v, e, x in LAYOUTS])
+def test_logits_loss_and_gradients_equal_transformers(tiny_hf_dirs, tmp_path, tp, pp, vpp, ep, etp):
+    names = sorted(n for n in tiny_hf_dirs if (ep == 1 and etp is None) or n in MOE_MODELS)
     exports = [str(tmp_path / f"export_{n}") for n in names]
-    per_rank = spawn_local_workers(parity_worker, tp * pp * ep, [tiny_hf_dirs[n] for n in names], tp, pp, vpp,
-                                   exports, ep)
+    world = ParallelSizes(tp, pp, vpp, ep=ep, etp=etp).smallest_world
+    per_rank = spawn_local_workers(parity_worker, world, [tiny_hf_dirs[n] for n in names], tp, pp, vpp,
+                                   exports, ep, etp)
     for rank_results in per_rank:
         for name, result in zip(names, rank_results):
             assert result["grad_names_missing"] == [], name
@@ -27,7 +32,7 @@ def test_logits_loss_and_gradients_equal_transformers(tiny_hf_dirs, tmp_path, tp
                 assert result["logits_max_diff"] <= (1e-5 if name in MOE_MODELS else 1e-4), (name, result)
                 assert result["loss_diff"] <= 1e-5, (name, result)
     last_stage_reports = sum("logits_max_diff" in r[0] for r in per_rank)
-    assert last_stage_reports == tp * ep  # every TP (and data-parallel) rank of the last stage compared logits
+    assert last_stage_reports == world // pp  # every TP (and data-parallel) rank of the last stage compared logits
 
     # Export of the sharded model: HF -> Megatron(tp, pp) -> HF is bit-identical, tied embeddings included.
     for name, export in zip(names, exports):
