@@ -22,7 +22,8 @@ MAY_CHANGE_ON_RESUME = ("trainer.total_steps", "trainer.save_every", "trainer.ke
                         "trainer.resume", "trainer.output_dir", "trainer.val_every", "trainer.val_prompts",
                         "trainer.sft_cache", "trainer.max_skipped_updates", "logging.", "weight_sync.bucket_mb",
                         "tools.num_workers", "tools.max_concurrency", "tools.channel", "reward.num_workers",
-                        "rollout.gpu_memory_utilization", "parallel.device_memory_gib", "cache.tool_cache_max_mb")
+                        "rollout.gpu_memory_utilization", "parallel.device_memory_gib", "cache.tool_cache_max_mb",
+                        "model.recompute")  # (auto resolves by the device's memory: bit-exact either way)
 
 
 def checkpoint_dir(output: Path, step: int) -> Path:
