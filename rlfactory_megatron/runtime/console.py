@@ -31,7 +31,7 @@ def library_output_to(log_path: Path, enabled: bool = True):
     saved = os.dup(1), os.dup(2)
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     console = os.fdopen(os.dup(saved[0]), "w", buffering=1)
-    previous_stdout = sys.stdout
+    previous_stdout, previous_stderr = sys.stdout, sys.stderr
     # vLLM would attach its own handler to whatever sys.stdout is when it is imported (ours):
     # left unconfigured, its records reach the root logger and so the file.
     previous_vllm = os.environ.get("VLLM_CONFIGURE_LOGGING")
@@ -43,6 +43,7 @@ def library_output_to(log_path: Path, enabled: bool = True):
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
     sys.stdout = console
+    sys.stderr = sys.__stderr__  # fd 2, the log: not a copy of our own lines (console_copied_to)
     root.addHandler(handler)
     root.setLevel(min(previous_level or logging.INFO, logging.INFO))
     try:
@@ -55,7 +56,7 @@ def library_output_to(log_path: Path, enabled: bool = True):
         handler.close()
         os.dup2(saved[0], 1)
         os.dup2(saved[1], 2)
-        sys.stdout = previous_stdout
+        sys.stdout, sys.stderr = previous_stdout, previous_stderr
         console.close()
         for fd in (*saved, log_fd):
             os.close(fd)
