@@ -297,18 +297,28 @@ def offload_round_trip_frees_the_device_and_is_bit_exact(ctx):
     state = megatron_state(engine.chunks, engine.optimizer)
     before = [t.detach().clone() for kind in ("params", "optimizer") for t in state[kind]]
     allocated = torch.cuda.memory_allocated()
+    grads = engine.host.resident_bytes(("grads",))  # freed, not copied
+    cached_pinned = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
     start = time.perf_counter()
     freed = engine.offload()
     out_s = time.perf_counter() - start
     dropped = allocated - torch.cuda.memory_allocated()
     assert freed > 0 and dropped >= freed, f"offload freed {dropped} of {freed} bytes on the device"
+    # Issue 53 item 6: one pinned buffer per kind at the state's exact size, none from torch's
+    # (power-of-two rounding) pinned cache.
+    buffers = engine.host.host_buffers()
+    assert all(b.is_pinned() for b in buffers.values()), "a host buffer is not pinned"
+    assert sum(b.numel() for b in buffers.values()) == freed - grads, (freed - grads, buffers.keys())
+    grown = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) - cached_pinned
+    assert grown == 0, f"torch's pinned cache grew by {grown} bytes during offload"
     start = time.perf_counter()
     engine.host.onload()
     in_s = time.perf_counter() - start
     state = megatron_state(engine.chunks, engine.optimizer)
     after = [t.detach() for kind in ("params", "optimizer") for t in state[kind]]
     assert all(torch.equal(a, b) for a, b in zip(before, after)), "the state changed on its way to host and back"
-    return f"{freed / 2**20:.1f} MiB to host in {out_s:.3f} s and back in {in_s:.3f} s, bit-exact"
+    return (f"{freed / 2**20:.1f} MiB to host in {out_s:.3f} s and back in {in_s:.3f} s, bit-exact; pinned host "
+            f"buffers {', '.join(f'{k} {b.numel() / 2**20:.1f} MiB' for k, b in buffers.items())}")
 
 
 @check
