@@ -72,6 +72,30 @@ def _batch(prompts, generations):
 
 
 @check
+def driver_and_library_versions(ctx):
+    """First, so that every other line is read against them: the NVIDIA driver (>= 580 for the CUDA
+    13 build of torch, issue 53 item 7: what rlf-train checks at start) and the libraries' versions."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    from rlfactory_megatron.runtime.cuda_driver import MIN_DRIVER, driver_version, unusable_gpu
+
+    driver = driver_version()
+    assert unusable_gpu() is None and driver is not None, unusable_gpu() or "nvidia-smi reports no GPU"
+    assert int(driver.split(".")[0]) >= MIN_DRIVER, f"driver {driver} < {MIN_DRIVER}"
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "absent"
+
+    return (f"driver {driver}, torch {torch.__version__} (CUDA {torch.version.cuda}), vllm {installed('vllm')}, "
+            f"megatron-core {installed('megatron-core')}, transformer-engine {installed('transformer-engine')}")
+
+
+@check
 def cuda_and_nccl(ctx):
     import torch
     import torch.distributed as dist

@@ -12,6 +12,10 @@ import sys
 from pathlib import Path
 
 
+class GpuUnusableError(Exception):
+    """The node has a GPU that torch cannot use (runtime/cuda_driver.py)."""
+
+
 def _train_rank(config_yaml: str, hf_dir: str, verbose: bool) -> dict:
     """One rank's run: its last metrics and the signal that stopped it early, if one did."""
     from rlfactory_megatron.config import config_from_yaml
@@ -86,6 +90,12 @@ def main(argv: list[str] | None = None) -> int:
         # Before the config is loaded: checking it imports torch. Started by hand, this process
         # is the one rank (revised below for the ranks it spawns: ParallelSizes.smallest_world).
         chosen = choose_threads(launch.local_world_size if launch.launcher != "single" else 1)
+        if not (args.print_config or args.plan):  # both read the config alone: a login node runs them
+            from rlfactory_megatron.runtime.cuda_driver import unusable_gpu
+
+            problem = unusable_gpu()
+            if problem:
+                raise GpuUnusableError(problem)
         # A plan is for the GPUs the job will run on: on a machine without one (a login node),
         # `auto` is resolved as a GPU node with the GPU stack resolves it.
         from rlfactory_megatron.runtime.cpu_compat import cuda_available
@@ -141,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             if not verbose:
                 print(f"rlf-train: library output goes to {output / 'logs'} (--verbose shows it here)")
         results = run_as_job(_train_rank, hand_started, config_yaml, str(hf_dir), verbose)
-    except (ConfigError, UnsupportedCheckpointError, ValueError) as exc:
+    except (ConfigError, UnsupportedCheckpointError, GpuUnusableError, ValueError) as exc:
         print(f"rlf-train: error: {exc}", file=sys.stderr)
         return 2
     stopped_by = results[0]["stopped_by"]
