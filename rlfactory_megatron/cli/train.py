@@ -89,8 +89,11 @@ def main(argv: list[str] | None = None) -> int:
         launch = detect_launch_env()
         # Before the config is loaded: checking it imports torch. Started by hand, this process
         # is the one rank (revised below for the ranks it spawns: ParallelSizes.smallest_world).
-        chosen = choose_threads(launch.local_world_size if launch.launcher != "single" else 1)
-        if not (args.print_config or args.plan):  # both read the config alone: a login node runs them
+        # A plan or a printed config starts no rank: nothing to choose, or to say of this node.
+        reads_config_alone = args.print_config or args.plan  # a login node runs both
+        chosen = None if reads_config_alone else choose_threads(
+            launch.local_world_size if launch.launcher != "single" else 1)
+        if not reads_config_alone:
             from rlfactory_megatron.runtime.cuda_driver import unusable_gpu
 
             problem = unusable_gpu()
