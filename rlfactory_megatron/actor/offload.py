@@ -43,6 +43,7 @@ class HostOffload:
         self._state = state
         self._away: dict[int, _Away] = {}
         self._buffers: dict[str, torch.Tensor] = {}  # kind -> its flat host buffer, reused every step
+        self._releases: dict[str, weakref.finalize] = {}
 
     def offloaded(self, kind: str) -> bool:
         return any(away.kind == kind for away in self._away.values())
@@ -100,8 +101,11 @@ class HostOffload:
         total = sum(sizes)
         buffer = self._buffers.get(kind)
         if buffer is None or buffer.numel() < total:
+            if kind in self._releases:
+                self._releases.pop(kind)()  # the outgrown buffer: unregistered and let go now
             buffer = self._buffers[kind] = _pinned(total)
-            weakref.finalize(self, _unpin, buffer)  # registered memory is unregistered before it is freed
+            # Registered memory is unregistered before it is freed (here, or with this object).
+            self._releases[kind] = weakref.finalize(self, _unpin, buffer)
         return list(buffer[:total].split(sizes))
 
     def _storages(self) -> dict[int, tuple[str, torch.UntypedStorage]]:
