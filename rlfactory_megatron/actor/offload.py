@@ -104,8 +104,10 @@ class HostOffload:
             if kind in self._releases:
                 self._releases.pop(kind)()  # the outgrown buffer: unregistered and let go now
             buffer = self._buffers[kind] = _pinned(total)
-            # Registered memory is unregistered before it is freed (here, or with this object).
+            # Registered memory is unregistered before it is freed (here, or with this object; at
+            # exit the process's memory goes whole, and CUDA may be gone before the finalizer runs).
             self._releases[kind] = weakref.finalize(self, _unpin, buffer)
+            self._releases[kind].atexit = False
         return list(buffer[:total].split(sizes))
 
     def _storages(self) -> dict[int, tuple[str, torch.UntypedStorage]]:
