@@ -6,7 +6,8 @@ tensors) passes unnoticed. Under this mode the CPU stands in for the device: `co
 names CUDA, which cpu_compat maps to the CPU, and every tensor that would live on a GPU (put
 there by `.cuda()`, `.to(compute_device())` or a `device="cuda"` factory, and everything computed
 from it) is marked, as is every tensor that would be on the host; host-only operations on a
-marked tensor raise `DeviceDisciplineError` naming the line.
+marked tensor, and a host tensor indexed by device indices, raise `DeviceDisciplineError` naming
+the line. cpu_compat enters it in every thread the process starts.
 """
 from __future__ import annotations
 
@@ -142,9 +143,9 @@ def unchecked():
 
 def _index_tensors(index) -> list[torch.Tensor]:
     """The tensors of an index (`x[index]`) that index by value: integer arrays and masks. A 0-dim
-    integer tensor indexes as the int it holds."""
+    tensor indexes as the int (or bool) it holds, read on the host on a GPU too."""
     parts = index if isinstance(index, (tuple, list)) else (index,)
-    return [t for t in parts if isinstance(t, torch.Tensor) and (t.dim() > 0 or t.dtype == torch.bool)]
+    return [t for t in parts if isinstance(t, torch.Tensor) and t.dim() > 0]
 
 
 def _check_host_indexing(func, args) -> None:
