@@ -568,6 +568,41 @@ def te_context_parallel_attention_equals_cp1(ctx):
     return f"CP 2 vs CP 1 (bf16, TE): max |log-prob/entropy diff| {worst:.1e}, grad norm {norm:.1e} relative"
 
 
+@check
+def device_discipline_indexing_is_what_cuda_refuses(ctx):
+    """Issue 53 item 13: the device discipline's indexing rules (runtime/device_discipline.py, checked
+    on CPU by tests/runtime/test_device_discipline.py) against CUDA itself: what it refuses, CUDA
+    refuses; what it lets pass, CUDA runs."""
+    import torch
+
+    host, dev = torch.zeros(4, 3), torch.randn(4, 3, device="cuda")
+    refused = {"GPU indices": lambda: host[torch.tensor([0, 2], device="cuda")],
+               "GPU mask": lambda: host[dev[:, 0] > 0],
+               "GPU values by index": lambda: host.__setitem__(torch.tensor([0, 1]), dev[:2])}
+    allowed = {"element copy": lambda: host.__setitem__(0, dev[0]),
+               "slice copy": lambda: host.__setitem__(slice(1, 3), dev[1:3]),
+               "0-dim GPU value by index": lambda: host.__setitem__(torch.tensor([0, 2]), dev[0, 0]),
+               "0-dim GPU index": lambda: host[torch.tensor(1, device="cuda")],
+               "0-dim GPU bool index": lambda: host[torch.tensor(True, device="cuda")],
+               "host mask for a GPU tensor": lambda: dev[host[:, 0] >= 0],
+               "host indices for a GPU tensor": lambda: dev[torch.tensor([0, 2])]}
+    wrong = []
+    for name, call in refused.items():
+        try:
+            call()
+            wrong.append(f"{name}: CUDA ran it")
+        except (RuntimeError, IndexError):
+            pass
+    for name, call in allowed.items():
+        try:
+            call()
+        except Exception as exc:
+            wrong.append(f"{name}: {type(exc).__name__}: {exc}")
+    torch.cuda.synchronize()
+    assert not wrong, "the discipline's rules differ from CUDA's: " + "; ".join(wrong)
+    return f"{len(refused)} refused and {len(allowed)} run, by CUDA as by the discipline"
+
+
 class Context:
     def __init__(self, root: str, gpu: bool) -> None:
         import torch
