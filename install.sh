@@ -25,6 +25,13 @@ if [ "$stack" = gpu ]; then
     echo "install.sh: --gpu needs an NVIDIA GPU with its CUDA driver, and this machine has none (no nvidia-smi, no libcuda.so.1); on a machine without a GPU run ./install.sh" >&2
     exit 1
   fi
+  # torch 2.13's CUDA 13.0 build needs driver >= 580 (rlfactory_megatron/runtime/cuda_driver.py
+  # MIN_DRIVER); on an older one torch sees no GPU and rlf-train would refuse to start.
+  driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1 || true)
+  if [ "${RLF_BUILD_WITHOUT_GPU:-0}" != 1 ] && [ -n "$driver" ] && [ "${driver%%.*}" -lt 580 ] 2>/dev/null; then
+    echo "install.sh: --gpu installs torch built for CUDA 13, which needs NVIDIA driver >= 580, and this machine's is $driver: upgrade the driver (or run ./install.sh for the CPU stack)" >&2
+    exit 1
+  fi
   py_version=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
   if [ "$py_version" != 3.12 ]; then
     echo "install.sh: --gpu installs requirements/gpu.lock, resolved for Python 3.12, and $PY is $py_version: run PYTHON=python3.12 ./install.sh --gpu (or use the Dockerfile)" >&2

@@ -7,12 +7,18 @@
 #   MODEL=... DATA=... examples/grpo_qwen3_30b_a3b_2node.sh NODE_RANK 2 MASTER_ADDR
 # Check the layout first: rlf-train --plan --world-size 16 --config <its yaml> model.path=$MODEL
 # DATA is written once from the Hugging Face hub (GSM8K_SOURCE=<folder>: from a local copy of it).
+# The job's log is <job name>-<job id>.out in the folder sbatch ran in (Slurm opens it before the
+# script runs, and creates no folder for it). 15 minutes before the time limit (sbatch --time; a step of this model and its checkpoint take minutes)
+# Slurm sends SIGUSR1 to the job's steps, where the ranks run: they end their step, save a
+# checkpoint and exit; the same sbatch command resumes (docs/launchers.md). Not B:USR1: that
+# would go to this batch shell alone, which would die of it and leave the ranks unsignalled.
 #SBATCH --job-name=rlf-qwen3-30b-a3b
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=8
 #SBATCH --exclusive
-#SBATCH --output=logs/%x-%j.out
+#SBATCH --output=%x-%j.out
+#SBATCH --signal=USR1@900
 set -euo pipefail
 cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"
 MODEL=${MODEL:-/models/Qwen3-30B-A3B}

@@ -72,6 +72,30 @@ def _batch(prompts, generations):
 
 
 @check
+def driver_and_library_versions(ctx):
+    """First, so that every other line is read against them: the NVIDIA driver (>= 580 for the CUDA
+    13 build of torch, issue 53 item 7: what rlf-train checks at start) and the libraries' versions."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    from rlfactory_megatron.runtime.cuda_driver import MIN_DRIVER, driver_version, unusable_gpu
+
+    driver = driver_version()
+    assert unusable_gpu() is None and driver is not None, unusable_gpu() or "nvidia-smi reports no GPU"
+    assert int(driver.split(".")[0]) >= MIN_DRIVER, f"driver {driver} < {MIN_DRIVER}"
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "absent"
+
+    return (f"driver {driver}, torch {torch.__version__} (CUDA {torch.version.cuda}), vllm {installed('vllm')}, "
+            f"megatron-core {installed('megatron-core')}, transformer-engine {installed('transformer-engine')}")
+
+
+@check
 def cuda_and_nccl(ctx):
     import torch
     import torch.distributed as dist
@@ -297,18 +321,28 @@ def offload_round_trip_frees_the_device_and_is_bit_exact(ctx):
     state = megatron_state(engine.chunks, engine.optimizer)
     before = [t.detach().clone() for kind in ("params", "optimizer") for t in state[kind]]
     allocated = torch.cuda.memory_allocated()
+    grads = engine.host.resident_bytes(("grads",))  # freed, not copied
+    cached_pinned = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
     start = time.perf_counter()
     freed = engine.offload()
     out_s = time.perf_counter() - start
     dropped = allocated - torch.cuda.memory_allocated()
     assert freed > 0 and dropped >= freed, f"offload freed {dropped} of {freed} bytes on the device"
+    # Issue 53 item 6: one pinned buffer per kind at the state's exact size, none from torch's
+    # (power-of-two rounding) pinned cache.
+    buffers = engine.host.host_buffers()
+    assert all(b.is_pinned() for b in buffers.values()), "a host buffer is not pinned"
+    assert sum(b.numel() for b in buffers.values()) == freed - grads, (freed - grads, buffers.keys())
+    grown = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) - cached_pinned
+    assert grown == 0, f"torch's pinned cache grew by {grown} bytes during offload"
     start = time.perf_counter()
     engine.host.onload()
     in_s = time.perf_counter() - start
     state = megatron_state(engine.chunks, engine.optimizer)
     after = [t.detach() for kind in ("params", "optimizer") for t in state[kind]]
     assert all(torch.equal(a, b) for a, b in zip(before, after)), "the state changed on its way to host and back"
-    return f"{freed / 2**20:.1f} MiB to host in {out_s:.3f} s and back in {in_s:.3f} s, bit-exact"
+    return (f"{freed / 2**20:.1f} MiB to host in {out_s:.3f} s and back in {in_s:.3f} s, bit-exact; pinned host "
+            f"buffers {', '.join(f'{k} {b.numel() / 2**20:.1f} MiB' for k, b in buffers.items())}")
 
 
 @check
@@ -482,7 +516,10 @@ def batch_invariant_engines_sample_alike(ctx):
         if before is None:
             os.environ.pop("VLLM_BATCH_INVARIANT", None)
     assert alone == batched, f"alone {alone}\nbatched {batched}"
-    return f"the same {len(alone)} tokens alone (engine 0) and 4th of 8 (engine 1)"
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()  # issue 53 item 12: the engine refuses below 8.0
+    return f"the same {len(alone)} tokens alone (engine 0) and 4th of 8 (engine 1), compute capability {major}.{minor}"
 
 
 # ---- Context parallelism (issue 46): Transformer-Engine's CP attention against CP = 1.
@@ -623,6 +660,39 @@ def moe_engine_synced_twice_after_cuda_graph_capture_equals_a_fresh_one(ctx):
               for a, b in zip(gs.log_probs, gr.log_probs))
     assert gap <= 1e-4, f"synced vs fresh engine log-probs differ by {gap:.1e}"
     return f"two syncs after graph capture: the same {sum(map(len, sum(tokens, [])))} tokens, log-probs within {gap:.1e}"
+@check
+def device_discipline_indexing_is_what_cuda_refuses(ctx):
+    """Issue 53 item 13: the device discipline's indexing rules (runtime/device_discipline.py, checked
+    on CPU by tests/runtime/test_device_discipline.py) against CUDA itself: what it refuses, CUDA
+    refuses; what it lets pass, CUDA runs."""
+    import torch
+
+    host, dev = torch.zeros(4, 3), torch.randn(4, 3, device="cuda")
+    refused = {"GPU indices": lambda: host[torch.tensor([0, 2], device="cuda")],
+               "GPU mask": lambda: host[dev[:, 0] > 0],
+               "GPU values by index": lambda: host.__setitem__(torch.tensor([0, 1]), dev[:2])}
+    allowed = {"element copy": lambda: host.__setitem__(0, dev[0]),
+               "slice copy": lambda: host.__setitem__(slice(1, 3), dev[1:3]),
+               "0-dim GPU value by index": lambda: host.__setitem__(torch.tensor([0, 2]), dev[0, 0]),
+               "0-dim GPU index": lambda: host[torch.tensor(1, device="cuda")],
+               "0-dim GPU bool index": lambda: host[torch.tensor(True, device="cuda")],
+               "host mask for a GPU tensor": lambda: dev[host[:, 0] >= 0],
+               "host indices for a GPU tensor": lambda: dev[torch.tensor([0, 2])]}
+    wrong = []
+    for name, call in refused.items():
+        try:
+            call()
+            wrong.append(f"{name}: CUDA ran it")
+        except (RuntimeError, IndexError):
+            pass
+    for name, call in allowed.items():
+        try:
+            call()
+        except Exception as exc:
+            wrong.append(f"{name}: {type(exc).__name__}: {exc}")
+    torch.cuda.synchronize()
+    assert not wrong, "the discipline's rules differ from CUDA's: " + "; ".join(wrong)
+    return f"{len(refused)} refused and {len(allowed)} run, by CUDA as by the discipline"
 
 
 class Context:

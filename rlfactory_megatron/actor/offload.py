@@ -4,13 +4,19 @@ colocated engines use the device, and back, bit for bit, before training needs i
 Whole storages move, not tensors: megatron's parameters and gradients are views of flat buffers,
 and every view stays valid (its storage is emptied on the device and refilled later). On a
 machine without a GPU the same code moves host memory to host memory, so the CPU tests run it.
+
+Host memory is one flat buffer per kind, kept for the next step: torch's pinned allocator would
+round each storage up to a power of two and cache it (up to twice the state, never released), so
+the buffer is ordinary host memory registered with CUDA (pinned) once, at its exact size.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
+import torch.cuda._pin_memory_utils as pin_memory_utils  # what torch's own checkpoint stager pins with
 
 # What a model's state is made of, in the order that decides a storage's kind when two kinds
 # share it (an fp32 optimizer updates the parameters themselves: those stay parameters).
@@ -24,7 +30,7 @@ class _Away:
     kind: str
     storage: torch.UntypedStorage  # emptied on the device; refilled on the way back
     nbytes: int
-    host: torch.Tensor | None  # its bytes in host memory; None: not kept (gradients: zeroed on return)
+    host: torch.Tensor | None  # its bytes: a view of its kind's host buffer; None: not kept (gradients: zeroed on return)
 
 
 class HostOffload:
@@ -36,9 +42,15 @@ class HostOffload:
     def __init__(self, state: Callable[[], dict[str, Iterable[torch.Tensor]]]) -> None:
         self._state = state
         self._away: dict[int, _Away] = {}
+        self._buffers: dict[str, torch.Tensor] = {}  # kind -> its flat host buffer, reused every step
+        self._releases: dict[str, weakref.finalize] = {}
 
     def offloaded(self, kind: str) -> bool:
         return any(away.kind == kind for away in self._away.values())
+
+    def host_buffers(self) -> dict[str, torch.Tensor]:
+        """The host memory kept for each kind that has been away (reused by every later offload)."""
+        return dict(self._buffers)
 
     def resident_bytes(self, kinds: Iterable[str] = KINDS) -> int:
         """Bytes of `kinds` on the device now."""
@@ -48,21 +60,24 @@ class HostOffload:
         """Move the storages of `kinds` to host memory (those already there stay); returns the
         bytes freed on the device."""
         kinds = set(kinds)
-        moving = []
+        moving: dict[str, list[tuple[int, torch.UntypedStorage]]] = {}
         for key, (kind, storage) in self._storages().items():
             if kind in kinds and key not in self._away and storage.nbytes() > 0:
-                moving.append((key, kind, storage))
-        pin = torch.cuda.is_available()
-        for key, kind, storage in moving:
-            host = None
-            if kind != "grads":
-                host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
-                host.copy_(_bytes(storage), non_blocking=pin)
-            self._away[key] = _Away(kind, storage, storage.nbytes(), host)
+                moving.setdefault(kind, []).append((key, storage))
+        for kind, storages in moving.items():
+            sizes = [storage.nbytes() for _, storage in storages]
+            hosts = [None] * len(storages) if kind == "grads" else self._host_views(kind, sizes)
+            for (key, storage), host in zip(storages, hosts):
+                if host is not None:
+                    host.copy_(_bytes(storage), non_blocking=True)
+                self._away[key] = _Away(kind, storage, storage.nbytes(), host)
         _synchronize()  # every copy has landed before its source is freed
-        for _, _, storage in moving:
-            storage.resize_(0)
-        return sum(self._away[key].nbytes for key, _, _ in moving)
+        freed = 0
+        for storages in moving.values():
+            for _, storage in storages:
+                freed += storage.nbytes()
+                storage.resize_(0)
+        return freed
 
     def onload(self, kinds: Iterable[str] = KINDS) -> None:
         """Bring the storages of `kinds` back where they were (a no-op for those not away)."""
@@ -74,9 +89,26 @@ class HostOffload:
             else:
                 _bytes(away.storage).copy_(away.host, non_blocking=True)
         if returning:
-            _synchronize()  # before the host buffers are released
+            _synchronize()  # before the host buffers are written again
         for key in returning:
             del self._away[key]
+
+    def _host_views(self, kind: str, sizes: list[int]) -> list[torch.Tensor]:
+        """Consecutive views of `kind`'s host buffer, one per size; the buffer is made (or made
+        again, when the state outgrew it) at exactly their sum."""
+        if self.offloaded(kind):
+            raise RuntimeError(f"offload: part of {kind!r} is in host memory already; a kind moves whole")
+        total = sum(sizes)
+        buffer = self._buffers.get(kind)
+        if buffer is None or buffer.numel() < total:
+            if kind in self._releases:
+                self._releases.pop(kind)()  # the outgrown buffer: unregistered and let go now
+            buffer = self._buffers[kind] = _pinned(total)
+            # Registered memory is unregistered before it is freed (here, or with this object; at
+            # exit the process's memory goes whole, and CUDA may be gone before the finalizer runs).
+            self._releases[kind] = weakref.finalize(self, _unpin, buffer)
+            self._releases[kind].atexit = False
+        return list(buffer[:total].split(sizes))
 
     def _storages(self) -> dict[int, tuple[str, torch.UntypedStorage]]:
         """Every storage of the state once, keyed by identity, with the first kind listing it.
@@ -93,6 +125,19 @@ class HostOffload:
 def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     """A flat uint8 tensor over the whole storage."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def _pinned(nbytes: int) -> torch.Tensor:
+    """`nbytes` of host memory, pinned where CUDA is."""
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    if torch.cuda.is_available() and nbytes:
+        pin_memory_utils.pin_memory(buffer.data_ptr(), nbytes)
+    return buffer
+
+
+def _unpin(buffer: torch.Tensor) -> None:
+    if torch.cuda.is_available() and buffer.numel():
+        pin_memory_utils.unpin_memory(buffer.data_ptr())
 
 
 def _synchronize() -> None:

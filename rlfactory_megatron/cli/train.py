@@ -13,6 +13,10 @@ import sys
 from pathlib import Path
 
 
+class GpuUnusableError(Exception):
+    """The node has a GPU that torch cannot use (runtime/cuda_driver.py)."""
+
+
 def _train_rank(config_yaml: str, hf_dir: str, verbose: bool) -> dict:
     """One rank's run: its last metrics and the signal that stopped it early, if one did."""
     from rlfactory_megatron.config import config_from_yaml
@@ -93,7 +97,14 @@ def main(argv: list[str] | None = None) -> int:
         starts_ranks = not (args.print_config or args.plan or args.check)
         # Before the config is loaded: checking it imports torch. Started by hand, this process
         # is the one rank (revised below for the ranks it spawns: ParallelSizes.smallest_world).
+        # A plan, a check or a printed config starts no rank: no threads to choose, nothing to say of them.
         chosen = choose_threads(launch.local_world_size if launch.launcher != "single" else 1) if starts_ranks else None
+        if not (args.print_config or args.plan):  # (a login node runs those two; --check, the job's node)
+            from rlfactory_megatron.runtime.cuda_driver import unusable_gpu
+
+            problem = unusable_gpu()
+            if problem:
+                raise GpuUnusableError(problem)
         # A plan is for the GPUs the job will run on: on a machine without one (a login node),
         # `auto` is resolved as a GPU node with the GPU stack resolves it.
         from rlfactory_megatron.runtime.cpu_compat import cuda_available
@@ -172,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 128 + stopped_by
             if launch.rank == 0:
                 print(_closing_line(results[0], output, cfg.trainer.save_hf))
-    except (ConfigError, UnsupportedCheckpointError, ValueError) as exc:
+    except (ConfigError, UnsupportedCheckpointError, GpuUnusableError, ValueError) as exc:
         print(f"rlf-train: error: {exc}", file=sys.stderr)
         return 2
     return 0

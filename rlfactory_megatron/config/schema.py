@@ -161,7 +161,8 @@ class RolloutConfig:
     # the KV cache below
     max_num_seqs: int = 1024
     # Same samples at any scale on GPU too: vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT,
-    # compute capability >= 8.0), so that a seeded sample does not depend on the requests batched
+    # compute capability >= 8.0 as vLLM 0.32's code has them, though its comment says 9.0; an engine
+    # refuses a GPU below at start), so that a seeded sample does not depend on the requests batched
     # with it, at a cost in generation speed. CPU engines are batch-invariant as built.
     batch_invariant: bool = False
     # A MoE model's engines return the experts each token was routed to in each layer, stored with

@@ -100,6 +100,23 @@ def _cpu_kv_cache_bytes(hf_dir: str, dtype: str, max_model_len: int, max_num_seq
     return int(min(needed, utilization * psutil.virtual_memory().total))
 
 
+# vLLM 0.32's batch-invariant mode (model_executor/determinism/batch_invariant.py) replaces the
+# matmuls with its Triton kernels on compute capability 8.x (cuBLASLt there cannot be made
+# invariant) and turns off cuBLAS's split-K on 9.0 and newer; below 8.0 it would take the latter
+# path, which nothing shows to hold there. (Its VLLM_BATCH_INVARIANT comment says >= 9.0; its code
+# runs 8.x, Ampere and Ada, with tuned tiles for both.)
+BATCH_INVARIANT_MIN_CAPABILITY = (8, 0)
+
+
+def _check_batch_invariant_device() -> None:
+    capability = torch.cuda.get_device_capability()
+    if tuple(capability) < BATCH_INVARIANT_MIN_CAPABILITY:
+        need = ".".join(map(str, BATCH_INVARIANT_MIN_CAPABILITY))
+        raise ValueError(f"rollout.batch_invariant=true needs a GPU of compute capability >= {need} (vLLM's "
+                         f"batch-invariant kernels), and {torch.cuda.get_device_name()} is "
+                         f"{capability[0]}.{capability[1]}: set rollout.batch_invariant=false")
+
+
 @ROLLOUT_ENGINES.register("vllm")
 class VLLMEngine:
     """vLLM's in-process engine over token ids (no tokenizer needed), fp32 on CPU by default."""
@@ -119,6 +136,7 @@ class VLLMEngine:
         # The weight loaders reach the workers as pickled functions (collective_rpc).
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         if batch_invariant and torch.cuda.is_available():
+            _check_batch_invariant_device()
             # vLLM's batch-invariant mode (rollout.batch_invariant; CPU engines are invariant as
             # built). Set before vLLM is imported: some of its modules read it at import. It holds
             # for this process, whose torch kernels vLLM replaces (an in-process engine's trainer too).

@@ -2,7 +2,7 @@
 
 Active only when no CUDA device is present. It (1) maps every CUDA device request
 (`device="cuda"`, `torch.cuda.current_device()`, `.cuda()`) to the CPU through a
-TorchFunctionMode, (2) answers megatron's `param.type() == 'torch.cuda.FloatTensor'`
+TorchFunctionMode, in every thread, (2) answers megatron's `param.type() == 'torch.cuda.FloatTensor'`
 checks (optimizer, grad clipping) as a GPU would, (3) replaces the CUDA RNG tracker
 with one over CPU generator states (and the CUDA generator's state, which activation recompute
 saves and restores, with nothing: the CPU generator's is saved beside it), and (4) makes
@@ -170,14 +170,26 @@ def enable_cpu_compat() -> bool:
         # the CUDA generator is the CPU one, whose state megatron keeps next to it.
         mcore_random._get_cuda_rng_state = lambda *args, **kwargs: None
         mcore_random._set_cuda_rng_state = lambda *args, **kwargs: None
-        # Entered for the rest of the process: every rank thread that runs model code is the main one.
+        # Entered for the rest of the process, in this thread and every thread started from now on
+        # (torch's modes are per thread; the rollout loop, the engine step thread and
+        # asyncio.to_thread's workers run torch code too).
+        mode = CudaToCpuMode
         if device_discipline.requested():
             device_discipline.install()
-            DeviceDisciplineMode().__enter__()
-        else:
-            CudaToCpuMode().__enter__()
+            mode = DeviceDisciplineMode
+        mode().__enter__()
+        threading.Thread.run = _running_in(mode, threading.Thread.run)
         _ENABLED = True
     return True
+
+
+def _running_in(mode: type[TorchFunctionMode], run):
+    """`Thread.run` with `mode` entered around it (a thread class that overrides run is not covered)."""
+    def run_in_mode(thread: threading.Thread) -> None:
+        with mode():
+            run(thread)
+
+    return run_in_mode
 
 
 def allow_moe_without_transformer_engine() -> None:

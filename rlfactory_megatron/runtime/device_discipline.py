@@ -6,7 +6,8 @@ tensors) passes unnoticed. Under this mode the CPU stands in for the device: `co
 names CUDA, which cpu_compat maps to the CPU, and every tensor that would live on a GPU (put
 there by `.cuda()`, `.to(compute_device())` or a `device="cuda"` factory, and everything computed
 from it) is marked, as is every tensor that would be on the host; host-only operations on a
-marked tensor raise `DeviceDisciplineError` naming the line.
+marked tensor, and a host tensor indexed by device indices, raise `DeviceDisciplineError` naming
+the line. cpu_compat enters it in every thread the process starts.
 """
 from __future__ import annotations
 
@@ -90,10 +91,12 @@ def _refuse(what: str) -> None:
 
 _TO, _CUDA, _CPU = torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu
 _NUMPY = (torch.Tensor.numpy, torch.Tensor.__array__)
+_INDEXING = (torch.Tensor.__getitem__, torch.Tensor.__setitem__)
 # Calls that may take device and host tensors together on a GPU: transfers, indexing a device
-# tensor with host indices (or assigning host values into it), and what only compares metadata.
-_MIXING_ALLOWED = {torch.Tensor.copy_, _TO, _CUDA, _CPU, torch.Tensor.__getitem__, torch.Tensor.__setitem__,
-                   torch.Tensor.new_tensor, torch.Tensor.data.__set__, torch._has_compatible_shallow_copy_type}
+# tensor with host indices (or assigning host values into it; a host tensor's indexing is
+# checked on its own: _check_host_indexing), and what only compares metadata.
+_MIXING_ALLOWED = {torch.Tensor.copy_, _TO, _CUDA, _CPU, *_INDEXING, torch.Tensor.new_tensor,
+                   torch.Tensor.data.__set__, torch._has_compatible_shallow_copy_type}
 
 
 def _tensors(args, kwargs) -> list[torch.Tensor]:
@@ -138,6 +141,27 @@ def unchecked():
         _unchecked.depth = depth
 
 
+def _index_tensors(index) -> list[torch.Tensor]:
+    """The tensors of an index (`x[index]`) that index by value: integer arrays and masks. A 0-dim
+    tensor indexes as the int (or bool) it holds, read on the host on a GPU too."""
+    parts = index if isinstance(index, (tuple, list)) else (index,)
+    return [t for t in parts if isinstance(t, torch.Tensor) and t.dim() > 0]
+
+
+def _check_host_indexing(func, args) -> None:
+    """`host[index]` and `host[index] = values` where a GPU refuses them: indices (or a mask) on
+    the device for a host tensor; values on the device put through index tensors (index_put_,
+    which takes other-device values only as a 0-dim scalar; a slice or an int is a copy)."""
+    by_value = _index_tensors(args[1])
+    if any(placement(t) == DEVICE for t in by_value):
+        _refuse("a host tensor indexed by a GPU tensor of indices or a GPU mask (move the index to the host, "
+                "or the tensor to the device)")
+    if func is torch.Tensor.__setitem__ and by_value and isinstance(args[2], torch.Tensor) \
+            and placement(args[2]) == DEVICE and args[2].dim() > 0:
+        _refuse("GPU values put into a host tensor through an index tensor or a mask (move the values to "
+                "the host first: .cpu())")
+
+
 def check_and_mark(func, args, kwargs, call):
     """The discipline around one torch call: refuse what a GPU would, run it (`call()`), mark its
     outputs. A move to the device (or back to the host) copies, as it does on a GPU."""
@@ -145,6 +169,8 @@ def check_and_mark(func, args, kwargs, call):
         return call()
     inputs = _tensors(args, kwargs)
     marks = [placement(t) for t in inputs]
+    if func in _INDEXING and placement(args[0]) == HOST:
+        _check_host_indexing(func, args)
     if func in _NUMPY and marks and marks[0] == DEVICE:
         _refuse(".numpy() of a tensor that lives on the GPU (copy it to the host first: .cpu())")
     if DEVICE in marks and func not in _MIXING_ALLOWED:

@@ -33,5 +33,7 @@ def choose_threads(ranks_on_node: int, chosen_before: bool = False) -> str | Non
     cores = usable_cores()
     threads = threads_per_rank(cores, ranks_on_node)
     os.environ["OMP_NUM_THREADS"] = str(threads)
+    left = cores - threads * ranks_on_node
+    room = f"{left} left for tools, rewards and engines" if left >= 0 else "ranks outnumber cores"
     return (f"OMP_NUM_THREADS={threads} per rank ({cores} usable cores, {ranks_on_node} rank(s) on this node, "
-            f"{cores - threads * ranks_on_node} left for tools, rewards and engines); set OMP_NUM_THREADS to choose")
+            f"{room}); set OMP_NUM_THREADS to choose")

@@ -5,6 +5,7 @@ the same as without the round trip. The memory plan: the parameters each rank re
 its activation term against what a CPU model's backward pass really keeps."""
 
 import pytest
+import torch
 
 import actor_workers
 
@@ -49,3 +50,30 @@ def test_the_plans_activations_are_what_the_backward_pass_keeps(tmp_path, family
                                 num_attention_heads=8, num_key_value_heads=2, head_dim=32, vocab_size=1024)
     for out in spawn_local_workers(actor_workers.saved_activations_worker, cp, str(hf_dir), 512, cp):
         assert 0.7 * out["saved"] <= out["planned"] <= out["saved"], out
+
+
+def test_offload_pins_one_flat_host_buffer_per_kind():
+    # Per-tensor pinned copies cost up to twice the state (torch's pinned allocator rounds each to a
+    # power of two and keeps it); one flat buffer per kind, at the state's exact size, serves
+    # every step. Sizes not powers of two, a view sharing its storage, two steps.
+    from rlfactory_megatron.actor.offload import HostOffload
+
+    def state():
+        return {"params": [weight, weight[1:], bias], "grads": [grad], "optimizer": [moment, step_size]}
+
+    weight, bias, grad = torch.randn(37, 3), torch.randn(5), torch.randn(111)
+    moment, step_size = torch.randn(77, dtype=torch.float64), torch.randn(3, dtype=torch.bfloat16)
+    expected = {"params": 37 * 3 * 4 + 5 * 4, "optimizer": 77 * 8 + 3 * 2}
+    offload, seen = HostOffload(state), []
+    for step in range(2):
+        before = [t.clone() for t in (weight, bias, moment, step_size)]
+        assert offload.offload() == sum(expected.values()) + 111 * 4
+        buffers = offload.host_buffers()
+        assert {kind: b.untyped_storage().nbytes() for kind, b in buffers.items()} == expected, step
+        seen.append({kind: b.data_ptr() for kind, b in buffers.items()})
+        offload.onload()
+        assert all(torch.equal(a, b) for a, b in zip(before, (weight, bias, moment, step_size)))
+        assert not grad.any()
+        for t in (weight, moment):
+            t.add_(1)
+    assert seen[0] == seen[1]

@@ -163,11 +163,11 @@ def _model_folders(root: Path) -> dict[str, Path]:
     return folders
 
 
-def _rlf_train_plan(tmp_path, name: str, model: Path, world: int, *overrides: str):
+def _rlf_train_plan(tmp_path, name: str, model: Path, world: int, *overrides: str, env=None):
     start = time.monotonic()
     out = subprocess.run([str(BIN / "rlf-train"), "--plan", "--world-size", str(world), "--config",
                           str(EXAMPLES / name), f"model.path={model}", *overrides],
-                         capture_output=True, text=True, env=env_for(tmp_path), timeout=120, cwd=ROOT)
+                         capture_output=True, text=True, env=env or env_for(tmp_path), timeout=120, cwd=ROOT)
     return out, time.monotonic() - start
 
 
@@ -197,8 +197,12 @@ def test_each_example_fits_the_gpu_it_names_by_rlf_train_plan(tmp_path):
     assert float(generation) == 2.00 + 39.50, moe
     # model.params_dtype=auto (the schema's default), planned here without a GPU: as a GPU node
     # resolves it (TE layers, bfloat16), not as this machine would run it (float32).
-    auto, _ = _rlf_train_plan(tmp_path, EXAMPLE_JOBS[0][0], folders["qwen2_7b"], 8, "model.params_dtype=auto")
+    # No thread count set (issue 53 item 12): a plan starts no rank, and says nothing of this node's cores.
+    unthreaded = {k: v for k, v in env_for(tmp_path).items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    auto, _ = _rlf_train_plan(tmp_path, EXAMPLE_JOBS[0][0], folders["qwen2_7b"], 8, "model.params_dtype=auto",
+                              env=unthreaded)
     assert auto.returncode == 0 and "actor weights (bfloat16)" in auto.stdout, auto.stdout + auto.stderr[-2000:]
+    assert "usable cores" not in auto.stdout + auto.stderr, auto.stdout
 
 
 @pytest.mark.serial  # a bound on wall time: run alone (scripts/test.sh)

@@ -74,3 +74,20 @@ def test_install_sh_gpu_without_a_gpu_stops_at_once_and_changes_nothing(tmp_path
     assert run.stdout == "" and len(run.stderr.splitlines()) == 1, run.stderr
     assert "needs an NVIDIA GPU with its CUDA driver" in run.stderr
     assert not venv.exists()
+
+
+def test_no_cuda_driver_check_in_install_sh_gpu(tmp_path):
+    # Issue 53 item 7: a GPU on a driver older than CUDA 13 needs is refused before anything is
+    # installed, with the driver found and the one needed; the number is rlf-train's.
+    from rlfactory_megatron.runtime.cuda_driver import MIN_DRIVER
+
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text('#!/bin/sh\n[ "$1" = -L ] && echo "GPU 0: NVIDIA H100 80GB HBM3" || echo 550.54.15\n')
+    smi.chmod(0o755)
+    venv = tmp_path / "venv"
+    run = subprocess.run([str(ROOT / "install.sh"), "--gpu"], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "RLF_VENV": str(venv), "PATH": f"{smi.parent}:{os.environ['PATH']}"})
+    assert run.returncode != 0 and run.stdout == "" and len(run.stderr.splitlines()) == 1, run.stderr
+    assert f"needs NVIDIA driver >= {MIN_DRIVER}" in run.stderr and "is 550.54.15" in run.stderr, run.stderr
+    assert not venv.exists()

@@ -1,6 +1,7 @@
 """Per-request seeds: a seeded sample is a function of its prompt, weights and seed only — not of
 which other requests share its engine call — and differently seeded requests still share one call."""
 import asyncio
+import os
 from dataclasses import replace
 
 import pytest
@@ -47,3 +48,24 @@ def test_seeded_samples_do_not_depend_on_their_batch(engine):
     from torch._dynamo.utils import counters
 
     assert not counters["stats"]["unique_graphs"], dict(counters["stats"])
+
+
+def test_minor_batch_invariant_needs_compute_capability_8(monkeypatch):
+    # Issue 53 item 12: vLLM 0.32's batch-invariant kernels cover compute capability 8.x (its
+    # Triton matmuls) and 9.0 and up; a GPU below is refused when the engine starts, by name.
+    import torch
+
+    from rlfactory_megatron.rollout import engines
+
+    for variable in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_ALLOW_INSECURE_SERIALIZATION", "VLLM_BATCH_INVARIANT"):
+        monkeypatch.setenv(variable, os.environ.get(variable, ""))  # the engine sets them: restored after
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    with pytest.raises(ValueError, match=r"^rollout.batch_invariant=true needs a GPU of compute capability >= 8.0 "
+                                         r"\(vLLM's batch-invariant kernels\), and Tesla T4 is 7.5: set "
+                                         r"rollout.batch_invariant=false$"):
+        engines.VLLMEngine("no-model", batch_invariant=True)
+    for ampere_and_up in ((8, 0), (8, 9), (9, 0), (10, 0)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=ampere_and_up: c)
+        engines._check_batch_invariant_device()

@@ -56,3 +56,16 @@ def test_thread_choice_leaves_a_core_and_yields_to_the_user(monkeypatch):
     assert threads.os.environ["OMP_NUM_THREADS"] == "3"
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert threads.choose_threads(ranks_on_node=1) is None and threads.os.environ["OMP_NUM_THREADS"] == "2"
+
+
+def test_minor_thread_line_is_true_when_ranks_outnumber_cores(monkeypatch):
+    # Issue 53 item 12: 16 ranks on 2 cores were "-14 left for tools, rewards and engines".
+    from rlfactory_megatron.runtime import threads
+
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
+    for var in threads.THREAD_VARIABLES:
+        monkeypatch.delenv(var, raising=False)
+    line = threads.choose_threads(ranks_on_node=16)
+    assert line.startswith("OMP_NUM_THREADS=1 per rank (2 usable cores, 16 rank(s) on this node, ranks outnumber "
+                           "cores)"), line
+    assert "-" not in line.split(";")[0], line

@@ -263,3 +263,35 @@ def test_every_bad_config_is_refused_at_once_with_the_key_named(tmp_path):
     for argv, (args, message), result in zip(checked, expected, again):
         _check(argv, message, result)
     assert not output.exists()  # refused before any work, also the output folder
+
+
+def _pretend_nvidia_smi(folder: Path, driver: str) -> str:
+    """A folder with an `nvidia-smi` that reports one GPU on `driver`; returns a PATH with it first."""
+    folder.mkdir(exist_ok=True)
+    smi = folder / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\necho {driver}\n")
+    smi.chmod(0o755)
+    return f"{folder}{os.pathsep}{os.environ['PATH']}"
+
+
+def test_no_cuda_driver_check_refuses_a_gpu_node_torch_cannot_use(tmp_path, monkeypatch):
+    # Issue 53 item 7: a GPU node on a pre-580 driver (torch here sees no CUDA device, as torch's
+    # CUDA 13 build would there) is refused at start with the versions and the fixes named, not
+    # trained on its CPU.
+    env = {**env_for(tmp_path), "PATH": _pretend_nvidia_smi(tmp_path / "bin", "550.54.15")}
+    # A model that is not there: the refusal comes before the model is even looked for.
+    result = _console_script([f"trainer.output_dir={tmp_path / 'out'}", f"model.path={tmp_path / 'no-model'}"], env)
+    _check([], ("driver 550.54.15", "needs driver >= 580", "upgrade the driver", 'CUDA_VISIBLE_DEVICES=""'), result)
+    assert len(result["stderr"].strip().splitlines()) == 1, result["stderr"]
+    assert not (tmp_path / "out").exists()
+
+    from rlfactory_megatron.runtime.cuda_driver import unusable_gpu
+
+    monkeypatch.setenv("PATH", _pretend_nvidia_smi(tmp_path / "new", "590.10"))  # new driver, CPU torch
+    assert "./install.sh --gpu" in unusable_gpu()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the CPU chosen: as today
+    assert unusable_gpu() is None
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setenv("PATH", os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep)
+                                               if not (Path(p) / "nvidia-smi").exists()))  # no GPU: as today
+    assert unusable_gpu() is None
