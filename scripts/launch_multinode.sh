@@ -31,7 +31,9 @@ echo "launch_multinode: node $node_rank of $nnodes, $nproc rank(s) here, rendezv
 ray_pid=
 if [ -z "${RAY_ADDRESS:-}" ]; then
   export RAY_ADDRESS="$master_addr:${RAY_PORT:-$((port + 1))}"
-  [ -z "${RAY_AUTH_TOKEN:-}" ] || export RAY_AUTH_MODE=token
+  # Ray's token authentication (on by default since Ray 2.59) needs one token on every node: with
+  # RAY_AUTH_TOKEN given to each, it is on; without, it is off (each node would make its own).
+  if [ -n "${RAY_AUTH_TOKEN:-}" ]; then export RAY_AUTH_MODE=token; else export RAY_AUTH_MODE=disabled; fi
   # Ray's GPUs: those after the ranks' (as slurm/train.sbatch gives them).
   ray_gpus=$(( ${gpus:-0} > nproc ? gpus - nproc : 0 ))
   ray_devices=$( ((ray_gpus > 0)) && seq -s, "$nproc" $((gpus - 1)) || true)

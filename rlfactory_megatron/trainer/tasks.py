@@ -164,9 +164,11 @@ TASKS.register("calculator_judge", Task(calculator_judge, calculator_judge_demon
 
 def run_tool_specs(cfg) -> list[ToolSpec]:
     """The tools a run declares: the YAML file tools.config_path names, else its built-in
-    task's (trainer.task)."""
+    task's (trainer.task), else none."""
     if cfg.tools.config_path:
         return load_tool_specs(cfg.tools.config_path)
+    if cfg.trainer.task is None:  # a user's own data without a tools file has no tools
+        return []
     return parse_tool_specs([dict(tool) for tool in TASKS.get(cfg.trainer.task).tools])
 
 

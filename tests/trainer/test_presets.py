@@ -34,7 +34,8 @@ def test_a_key_set_to_its_schema_default_is_kept(tmp_path):
     assert load_config(overrides=["trainer.algorithm=gspo"]).actor.policy_loss == "gspo"
     assert load_config(overrides=["trainer.algorithm=gspo", "actor.policy_loss=ppo"]).actor.policy_loss == "ppo"
     path = tmp_path / "run.yaml"
-    path.write_text("model:\n  path: tiny://qwen3\ntrainer:\n  algorithm: gspo\nactor:\n  policy_loss: ppo\n")
+    path.write_text("model:\n  path: tiny://qwen3\ntrainer:\n  algorithm: gspo\n  task: calculator_arithmetic\n"
+                    "actor:\n  policy_loss: ppo\n")
     assert load_config(path).actor.policy_loss == "ppo"
     assert load_config(path, ["actor.policy_loss=dual-clip"]).actor.policy_loss == "dual-clip"
 

@@ -143,7 +143,9 @@ def test_dapo_with_the_rollout_correction_and_the_engines_sleeping_through_train
                     env=recording_env(recorded))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "dapo implies actor.policy_loss=clip-higher, actor.clip_ratio_high=0.28" in out.stdout and "reward.manager=dapo" in out.stdout
-    for record in records(tmp_path / "dapo"):
+    [warm_start, *rl_steps] = records(tmp_path / "dapo")
+    assert warm_start["step"] == 0 and "sft/loss" in warm_start and "val/score_mean" not in warm_start  # val_every=0
+    for record in rl_steps:
         assert record["rollout/refill_rounds"] <= 1
         assert record["rollout/groups_seen"] == 3 * (1 + record["rollout/refill_rounds"])
         assert record["rollout/groups_kept"] <= 3
@@ -182,7 +184,7 @@ def test_item14_moe_at_ep2_replays_engine_routes_unlike_its_own_syncs_saves_resu
     out = rlf_train(tmp_path, "moe", *run)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "ep=2 on 2 rank(s)" in out.stdout
-    steps = records(tmp_path / "moe")
+    steps = [r for r in records(tmp_path / "moe") if r["step"] > 0]  # (step 0: the warm-start's loss)
     assert [r["step"] for r in steps] == [1, 2, 3]
     for record in steps:
         assert record["rollout/num_engines"] == 2
@@ -210,7 +212,7 @@ def test_item14_moe_at_ep2_replays_engine_routes_unlike_its_own_syncs_saves_resu
     resumed = rlf_train(tmp_path, "killed", *run)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "step_000002 at step 2" in resumed.stdout
-    assert_same_metrics(records(tmp_path / "killed"), steps)
+    assert_same_metrics([r for r in records(tmp_path / "killed") if r["step"] > 0], steps)
     assert stored_trajectories(tmp_path / "killed") == trajectories
     # The same seed at ep 1 (one rank, one engine), without replay but with the engines' routes
     # recorded (rollout.record_routes: compared with the trainer's router, not replayed): the
@@ -219,7 +221,7 @@ def test_item14_moe_at_ep2_replays_engine_routes_unlike_its_own_syncs_saves_resu
     one = rlf_train(tmp_path, "ep1", "model.path=tiny://qwen3_moe", "trainer.total_steps=3", "trainer.val_every=0",
                     "actor.mini_batch_size=2", "actor.moe.routing_replay=none", "rollout.record_routes=true")
     assert one.returncode == 0, one.stderr[-3000:]
-    unreplayed = records(tmp_path / "ep1")
+    unreplayed = [r for r in records(tmp_path / "ep1") if r["step"] > 0]
     # Layer 0 agrees nowhere, and the layers after it, fed what the trainer's own experts computed,
     # no longer everywhere (measured 0.739 at step 1).
     assert all(r["rollout/routing_agreement"] < 0.75 for r in unreplayed), unreplayed
