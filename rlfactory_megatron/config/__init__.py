@@ -175,15 +175,22 @@ def config_from_yaml(text: str) -> RLFConfig:
     return cfg
 
 
-def _leaf_keys(node, prefix: str = "") -> set[str]:
+def leaf_values(tree, prefix: str = "") -> dict:
+    """A config (or a plain container of one) as dotted key -> value of each leaf (an empty section
+    is a leaf); a config's interpolations stay unresolved (they resolve in the whole tree only)."""
+    if OmegaConf.is_config(tree):
+        tree = OmegaConf.to_container(tree, resolve=False)
+    if not isinstance(tree, dict) or not tree:
+        return {prefix[:-1]: tree}
+    leaves = {}
+    for key, value in tree.items():
+        leaves.update(leaf_values(value, f"{prefix}{key}."))
+    return leaves
+
+
+def _leaf_keys(node) -> set[str]:
     """The dotted keys a YAML file or the overrides give a value (what the user set)."""
-    keys = set()
-    for key, value in node.items_ex(resolve=False):  # an interpolation is resolved in the whole tree only
-        if OmegaConf.is_dict(value) and value:
-            keys |= _leaf_keys(value, f"{prefix}{key}.")
-        else:
-            keys.add(f"{prefix}{key}")
-    return keys
+    return set(leaf_values(node)) if node else set()
 
 
 def _resolve_auto(cfg, for_gpu: bool = False) -> None:

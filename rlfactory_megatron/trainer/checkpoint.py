@@ -9,6 +9,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from rlfactory_megatron.config import leaf_values
 
 STATE_FILE = "trainer_state.json"
 ACTOR_DIR = "actor"
@@ -104,16 +107,14 @@ def check_resume(cfg, output: Path) -> Path | None:
     trained with against `cfg`: a changed key outside MAY_CHANGE_ON_RESUME raises ValueError
     naming each (an output folder holds one run). A checkpoint from before configs were kept in
     checkpoints is compared with the folder's config.yaml."""
-    from omegaconf import OmegaConf
-
     directory = resume_directory(cfg.trainer.resume, output)
     if directory is None:
         return None
     stored = next((f for f in (directory / CONFIG_FILE, output / CONFIG_FILE) if f.is_file()), None)
     if stored is None:
         return directory
-    before = _leaves(OmegaConf.to_container(OmegaConf.create(stored.read_text())))
-    now = _leaves(OmegaConf.to_container(cfg, resolve=True))
+    before = leaf_values(OmegaConf.create(stored.read_text()))
+    now = leaf_values(OmegaConf.to_container(cfg, resolve=True))
     # (a key only one release has has no value to differ from)
     changed = [f"{key}={now[key]} (was {before[key]})" for key in sorted(before.keys() & now.keys())
                if before[key] != now[key] and not key.startswith(MAY_CHANGE_ON_RESUME)]
@@ -122,15 +123,6 @@ def check_resume(cfg, output: Path) -> Path | None:
                          f"{'; '.join(changed)}; give this run its own trainer.output_dir (or restore those "
                          "settings, or trainer.resume=never to start over in this folder)")
     return directory
-
-
-def _leaves(tree, prefix: str = "") -> dict:
-    if not isinstance(tree, dict) or not tree:
-        return {prefix[:-1]: tree}
-    out = {}
-    for key, value in tree.items():
-        out.update(_leaves(value, f"{prefix}{key}."))
-    return out
 
 
 def load_checkpoint(directory: Path, actor, critic, sampler) -> tuple[int, str | None]:
